@@ -1,0 +1,147 @@
+"""Qwen3.5-MoE model arguments, and their conversion from / to a transformers config.json.
+
+Field names follow the Hugging Face config (`hidden_size`, `linear_num_value_heads`, ...) so that a
+config.json maps onto them one to one and users read the same names in both places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass
+class Qwen35MoeArgs:
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    # Every `full_attention_interval`-th layer is full attention, the others Gated DeltaNet;
+    # an explicit `layer_types` list (as in config.json) overrides the interval.
+    full_attention_interval: int = 4
+    layer_types: list[str] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    # Gated full attention: q_proj yields query and output gate; per-head q/k RMSNorm; partial RoPE.
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    attention_bias: bool = False
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    # M-RoPE sections (temporal, height, width). For text the three position axes are equal, which
+    # makes M-RoPE exactly 1-D RoPE; kept only to write them back on export.
+    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])
+    mrope_interleaved: bool = True
+    max_position_embeddings: int = 262144
+
+    # Gated DeltaNet (linear attention).
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+
+    # Sparse MoE: softmax router, top-k renormalised, plus one sigmoid-gated shared expert.
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    router_aux_loss_coef: float = 0.001
+
+    # Written to config.json on export; not used by the model.
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 248044
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [
+                FULL_ATTENTION if (i + 1) % self.full_attention_interval == 0 else LINEAR_ATTENTION
+                for i in range(self.num_hidden_layers)
+            ]
+        self.validate()
+
+    def validate(self) -> None:
+        problems = []
+        if len(self.layer_types) != self.num_hidden_layers:
+            problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        if unknown:
+            problems.append(f"unknown layer types {unknown}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            problems.append("num_experts_per_tok must be in [1, num_experts]")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            problems.append(f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even and <= head_dim")
+        if problems:
+            raise ValueError("invalid Qwen3.5-MoE args: " + "; ".join(problems))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def num_layers_of(self, layer_type: str) -> int:
+        return sum(t == layer_type for t in self.layer_types)
+
+    # ---- transformers config.json ----
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any] | str | Path) -> "Qwen35MoeArgs":
+        """Read a transformers Qwen3.5-MoE config: a dict, a config.json path or a folder holding one.
+
+        Accepts text-only (`qwen3_5_moe_text`) and multimodal (`qwen3_5_moe`, text fields nested under
+        `text_config`) configs, with rope settings either in `rope_parameters` (transformers 5) or flat.
+        """
+        if not isinstance(config, dict):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"no transformers config.json at {path}")
+            config = json.loads(path.read_text())
+        text = dict(config.get("text_config") or config)
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only default / M-RoPE)")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in text.items() if k in names}
+        for key in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+            if key in rope:
+                kwargs[key] = rope[key]
+        if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+            kwargs["tie_word_embeddings"] = config["tie_word_embeddings"]
+        return cls(**kwargs)
+
+    def to_hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        """The text-only CausalLM config.json that transformers' Qwen3_5MoeForCausalLM loads."""
+        cfg = {
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            "dtype": dtype,
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "mrope_section": list(self.mrope_section),
+                "mrope_interleaved": self.mrope_interleaved,
+            },
+        }
+        skip = {"full_attention_interval", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+        for f in dataclasses.fields(self):
+            if f.name not in skip:
+                cfg[f.name] = getattr(self, f.name)
+        return cfg

@@ -1,0 +1,94 @@
+"""Gated full attention: GQA with per-head q/k RMSNorm, partial RoPE and a sigmoid output gate."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import Qwen35MoeArgs
+from .documents import DocumentLayout
+from .norms import ZeroCenteredRMSNorm
+from .rope import apply_rope
+
+
+def _varlen_attn():
+    """torch's flash varlen attention, or None on a torch without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _sdpa(q, k, v, layout: DocumentLayout) -> torch.Tensor:
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (B, Hq, S, D); causal within each document."""
+    # GQA: each kv head serves a contiguous group of query heads (enable_gqa = repeat_interleave).
+    gqa = k.shape[1] != q.shape[1]
+    if not layout.is_packed:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    doc = layout.document_ids
+    seq = doc.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & causal  # (B, S, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
+
+
+def _flash_varlen(q, k, v, layout: DocumentLayout, varlen_attn) -> torch.Tensor:
+    """Packed documents on CUDA in half precision: flash varlen, no (S, S) mask is materialised."""
+    batch, seq = q.shape[0], q.shape[1]
+    q, k, v = (t.reshape(batch * seq, t.shape[2], t.shape[3]) for t in (q, k, v))  # (B*S, H, D)
+    kwargs = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            repeats = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    cu = layout.cu_seqlens
+    out = varlen_attn(q, k, v, cu, cu, layout.max_seqlen, layout.max_seqlen, window_size=(-1, 0), **kwargs)
+    return out.reshape(batch, seq, out.shape[1], out.shape[2])
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, args: Qwen35MoeArgs):
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.num_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        bias = args.attention_bias
+        # q_proj yields, per head, the query followed by its output gate: (H, 2 * D).
+        self.q_proj = nn.Linear(args.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
+
+    def init_weights(self, std: float) -> None:
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        self.q_norm.init_weights()
+        self.k_norm.init_weights()
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: DocumentLayout) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, gate = self.q_proj(x).view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(batch, seq, self.num_heads * self.head_dim)
+        q = self.q_norm(q)  # (B, S, Hq, D)
+        k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        varlen_attn = _varlen_attn()
+        if layout.is_packed and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn:
+            out = _flash_varlen(q, k, v, layout, varlen_attn)  # (B, S, Hq, D)
+        else:
+            out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout).transpose(1, 2)
+        out = out.reshape(batch, seq, self.num_heads * self.head_dim) * torch.sigmoid(gate)
+        return self.o_proj(out)

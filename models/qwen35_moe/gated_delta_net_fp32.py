@@ -1,0 +1,91 @@
+"""The fp32 checkpoint contract of Gated DeltaNet's SSM gate parameters.
+
+`A_log` and `dt_bias` set the per-head decay rate exp(-exp(A_log) * softplus(a + dt_bias)) that the
+recurrence compounds over the whole sequence, so a bf16 rounding of them is a proportional error on
+the decay rate. They are therefore stored, all-gathered and computed in fp32 whatever the model dtype.
+
+Natively they live in an `SSMGate` registered as `<layer>.linear_attn._fp32_params`, so native keys read
+`...linear_attn._fp32_params.A_log`. Hugging Face checkpoints name them bare (`...linear_attn.A_log`):
+the state-dict adapter strips the holder on export, routes bare keys into it on load, and upcasts
+these tensors when a checkpoint holds them in lower precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+HOLDER_NAME = "_fp32_params"
+FP32_GDN_PARAM_NAMES = ("A_log", "dt_bias")
+# Architectures whose official checkpoints keep A_log / dt_bias in fp32.
+GDN_FP32_CHECKPOINT_ARCHITECTURES = frozenset(
+    (
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+    )
+)
+
+_LINEAR_ATTN = ".linear_attn."
+
+
+def has_gated_delta_net_fp32_checkpoint_contract(hf_config: Any) -> bool:
+    """Whether a transformers config (object or config.json dict) is one of the fp32-gate architectures."""
+    if isinstance(hf_config, Mapping):
+        architectures = hf_config.get("architectures")
+    else:
+        architectures = getattr(hf_config, "architectures", None)
+    return any(arch in GDN_FP32_CHECKPOINT_ARCHITECTURES for arch in architectures or ())
+
+
+def _split(key: str) -> tuple[str, str] | None:
+    """(prefix up to and including '.linear_attn.', remainder), or None when not under linear_attn."""
+    i = key.rfind(_LINEAR_ATTN)
+    if i < 0:
+        return None
+    cut = i + len(_LINEAR_ATTN)
+    return key[:cut], key[cut:]
+
+
+def is_gated_delta_net_fp32_param_key(key: str) -> bool:
+    """True for `...linear_attn.A_log` / `dt_bias`, with or without the `_fp32_params.` holder."""
+    parts = _split(key)
+    if parts is None:
+        return False
+    rest = parts[1].removeprefix(HOLDER_NAME + ".")
+    return rest in FP32_GDN_PARAM_NAMES
+
+
+def route_fp32_holder_key(key: str) -> str:
+    """`...linear_attn.A_log` -> `...linear_attn._fp32_params.A_log`; any other key unchanged."""
+    parts = _split(key)
+    if parts is None or parts[1] not in FP32_GDN_PARAM_NAMES:
+        return key
+    return f"{parts[0]}{HOLDER_NAME}.{parts[1]}"
+
+
+def strip_fp32_holder_key(key: str) -> str:
+    """`...linear_attn._fp32_params.A_log` -> `...linear_attn.A_log`; any other key unchanged."""
+    parts = _split(key)
+    if parts is None:
+        return key
+    rest = parts[1]
+    if rest.startswith(HOLDER_NAME + ".") and rest[len(HOLDER_NAME) + 1 :] in FP32_GDN_PARAM_NAMES:
+        return parts[0] + rest[len(HOLDER_NAME) + 1 :]
+    return key
+
+
+def upcast_gated_delta_net_fp32_state_tensor(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Return `tensor` in fp32 when `key` is an fp32 GDN parameter held in lower precision."""
+    if (
+        is_gated_delta_net_fp32_param_key(key)
+        and tensor.is_floating_point()
+        and tensor.dtype != torch.float32
+        and torch.finfo(tensor.dtype).bits < 32
+    ):
+        return tensor.to(torch.float32)
+    return tensor

@@ -1,0 +1,120 @@
+"""Reading and writing Hugging Face checkpoint folders (config.json + safetensors) on one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .args import Qwen35MoeArgs
+from .model import Qwen35MoeModel
+from .state_dict_adapter import Qwen35MoeStateDictAdapter, hf_export_dtype
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint folder, single file or sharded with an index."""
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    state = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is named in {INDEX_FILE} but does not exist")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    state[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
+            raise ValueError(f"cannot read {path}: {e}") from e
+    return state
+
+
+def save_hf_checkpoint(
+    state_dict: dict[str, torch.Tensor],
+    args: Qwen35MoeArgs,
+    folder: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write a native state dict as a text-only HF CausalLM folder that transformers loads.
+
+    A_log, dt_bias and the GDN output norm are written in fp32, everything else in `dtype`. Files are
+    written to a temporary folder first and renamed into place, so an interrupted export never
+    leaves a half-written folder under the final name.
+    """
+    folder = Path(folder)
+    hf = Qwen35MoeStateDictAdapter(args).to_hf(state_dict)
+    hf = {k: v.detach().to("cpu", hf_export_dtype(k, dtype)).contiguous() for k, v in hf.items()}
+
+    shards, current, size = [], {}, 0
+    for key in sorted(hf):
+        nbytes = hf[key].numel() * hf[key].element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = hf[key]
+        size += nbytes
+    shards.append(current)
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    dtype_name = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype_name), indent=2) + "\n")
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in hf.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if folder.exists():
+        backup = folder.with_name(folder.name + ".old")
+        folder.rename(backup)
+        tmp.rename(folder)
+        _remove_tree(backup)
+    else:
+        tmp.rename(folder)
+    return folder
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        _remove_tree(child) if child.is_dir() else child.unlink()
+    path.rmdir()
+
+
+def from_pretrained(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Qwen35MoeModel:
+    """Our native model with the weights of a transformers Qwen3.5-MoE checkpoint folder.
+
+    Reads config.json (text-only or multimodal) and the safetensors weights (single or sharded). The
+    model is in `dtype` except the SSM gate parameters, which stay fp32.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+    args = Qwen35MoeArgs.from_hf_config(path)
+    native = Qwen35MoeStateDictAdapter(args).from_hf(load_hf_state_dict(path))
+    with torch.device("meta"):
+        model = Qwen35MoeModel(args)
+    model.to(dtype)  # on meta: only records dtypes, so weights are materialised once, in `dtype`
+    model.to_empty(device=device)
+    model.load_state_dict(native, strict=True)
+    return model

@@ -1,0 +1,131 @@
+"""Sparse MoE block: softmax top-k router, fused routed experts, and a sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import Qwen35MoeArgs
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (the shared expert)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def init_weights(self, std: float) -> None:
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopKRouter(nn.Module):
+    """Softmax over all experts in fp32, top-k, renormalised to sum to one."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> probs (N, E) fp32, top-k weights (N, k) fp32, top-k expert ids (N, k)."""
+        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights, ids
+
+
+def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer balance loss of one layer: E * sum_e f_e * P_e.
+
+    f_e = top-k assignments to expert e per token, P_e = mean router probability of e; a uniform
+    router gives top_k. Computed per layer (the model averages over layers), so imbalances of
+    different layers cannot cancel out.
+    """
+    counts = torch.zeros(num_experts, device=probs.device, dtype=torch.float32)
+    counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=probs.device, dtype=torch.float32))
+    fraction = counts / probs.shape[0]
+    return num_experts * torch.sum(fraction * probs.mean(dim=0))
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts' SwiGLU weights, fused as in the HF checkpoint layout.
+
+    gate_up_proj (E, 2I, D): rows [0, I) are the gate projection, [I, 2I) the up projection.
+    down_proj (E, D, I).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D)."""
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            return self._grouped_mm(x, counts)
+        return self._loop(x, counts)
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Reference path (CPU, fp32): one matmul pair per expert that received tokens.
+        outputs = []
+        for e, rows in enumerate(x.split(counts.tolist())):
+            if rows.shape[0] == 0:
+                continue
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(outputs) if outputs else x.new_zeros(x.shape)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, args: Qwen35MoeArgs):
+        super().__init__()
+        self.num_experts = args.num_experts
+        self.top_k = args.num_experts_per_tok
+        self.gate = TopKRouter(args.hidden_size, args.num_experts, args.num_experts_per_tok)
+        self.experts = RoutedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+        self.shared_expert = FeedForward(args.hidden_size, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.gate.weight, mean=0.0, std=std)
+        self.experts.init_weights(std)
+        self.shared_expert.init_weights(std)
+        nn.init.normal_(self.shared_expert_gate.weight, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, S, D) -> output (B, S, D), load-balancing loss of this layer (scalar, fp32)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, D)
+        probs, weights, ids = self.gate(x)
+
+        # Sort the N * k (token, expert) assignments by expert so each expert sees a contiguous block.
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        routed = self.experts(x[token_of], counts)  # (N * k, D)
+        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, routed)
+
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        aux = load_balancing_loss(probs, ids, self.num_experts)
+        return (out + shared).reshape(shape), aux

@@ -1,0 +1,43 @@
+"""RMSNorms of Qwen3.5: zero-centred (scale 1 + w) for the residual stream and q/k, gated for GDN output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """y = norm(x) * (1 + w), in fp32, cast back to x's dtype. `w` starts at zero (identity scale)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def init_weights(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (_rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = norm(x) * w * silu(gate), per head, in fp32. Unlike the residual norms, `w` starts at one."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = _rms_normalize(x, self.eps) * self.weight.float() * F.silu(gate.float())
+        return y.type_as(x)
