@@ -85,6 +85,8 @@ def save_hf_checkpoint(
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     if folder.exists():
         backup = folder.with_name(folder.name + ".old")
+        if backup.exists():  # left by an export that died between the two renames
+            _remove_tree(backup)
         folder.rename(backup)
         tmp.rename(folder)
         _remove_tree(backup)

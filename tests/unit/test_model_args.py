@@ -1,0 +1,99 @@
+"""Model args, flavors and config.json conversion."""
+
+import copy
+
+import pytest
+import torch
+
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor, qwen35_moe_flavors
+from tests.hf_reference import TINY_HF_CONFIG
+
+
+def test_35b_flavor_has_the_released_shape():
+    a = get_flavor("35B-A3B")
+    assert (a.hidden_size, a.num_hidden_layers, a.vocab_size) == (2048, 40, 248320)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (16, 2, 256)
+    assert (a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim) == (16, 32, 128, 128)
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.shared_expert_intermediate_size) == (256, 8, 512, 512)
+    assert a.linear_conv_kernel_dim == 4 and a.rotary_dim == 64
+    assert a.layer_types[3] == "full_attention" and a.num_layers_of("full_attention") == 10
+
+
+def test_debug_flavor_is_hybrid_with_enough_experts():
+    a = get_flavor("debugmodel")
+    assert a.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert a.num_experts >= 8
+
+
+def test_flavor_registry_is_not_mutated_by_callers():
+    a = get_flavor("debugmodel")
+    a.layer_types[0] = "full_attention"
+    assert qwen35_moe_flavors["debugmodel"].layer_types[0] == "linear_attention"
+
+
+def test_35b_parameter_count_on_meta():
+    with torch.device("meta"):
+        model = Qwen35MoeModel(get_flavor("35B-A3B"))
+    total = sum(p.numel() for p in model.parameters())
+    assert 34e9 < total < 36e9, total
+
+
+def test_text_only_and_multimodal_configs_give_the_same_args():
+    text = Qwen35MoeArgs.from_hf_config(TINY_HF_CONFIG)
+    nested = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": copy.deepcopy(TINY_HF_CONFIG)}
+    assert Qwen35MoeArgs.from_hf_config(nested) == text
+    assert text.rotary_dim == 8 and text.rope_theta == 10000.0 and text.mrope_section == [2, 1, 1]
+
+
+def test_flat_rope_fields_and_interval_are_read():
+    cfg = {k: v for k, v in TINY_HF_CONFIG.items() if k not in ("rope_parameters", "layer_types")}
+    cfg.update(rope_theta=5e6, partial_rotary_factor=0.25, full_attention_interval=2)
+    a = Qwen35MoeArgs.from_hf_config(cfg)
+    assert a.rope_theta == 5e6 and a.rotary_dim == 4
+    assert a.layer_types == ["linear_attention", "full_attention"] * 2
+
+
+def test_to_hf_config_round_trips_and_transformers_accepts_it():
+    from transformers import Qwen3_5MoeTextConfig
+
+    a = Qwen35MoeArgs.from_hf_config(TINY_HF_CONFIG)
+    cfg = a.to_hf_config()
+    assert Qwen35MoeArgs.from_hf_config(cfg) == a
+    hf = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "dtype")})
+    assert hf.layer_types == a.layer_types and hf.num_experts == a.num_experts
+
+
+def test_config_json_path_and_folder(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    assert Qwen35MoeArgs.from_hf_config(tmp_path) == Qwen35MoeArgs.from_hf_config(tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError):
+        Qwen35MoeArgs.from_hf_config(tmp_path / "missing")
+
+
+def test_invalid_shapes_are_rejected():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        Qwen35MoeArgs(num_attention_heads=5, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="unknown layer types"):
+        Qwen35MoeArgs(num_hidden_layers=1, layer_types=["mamba"])
+    with pytest.raises(ValueError, match="rope_type"):
+        Qwen35MoeArgs.from_hf_config({**TINY_HF_CONFIG, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unknown qwen35_moe flavor"):
+        get_flavor("7B")
+
+
+def test_meta_init_gives_hf_like_init():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Qwen35MoeModel(get_flavor("debugmodel"))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    gdn = model.layers["0"].linear_attn
+    a = gdn.A_log.exp()
+    assert torch.all((a >= 0.01 - 1e-6) & (a <= 16 + 1e-4))
+    assert torch.all(gdn.dt_bias == 1)
+    assert torch.all(gdn.norm.weight == 1)
+    assert torch.all(model.norm.weight == 0) and torch.all(model.layers["3"].self_attn.q_norm.weight == 0)
+    assert abs(model.embed_tokens.weight.std().item() - 0.02) < 0.002
+    assert all(torch.isfinite(p).all() for p in model.parameters())
