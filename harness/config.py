@@ -1,0 +1,332 @@
+"""Run configuration: one TOML file describes a run; any key can be overridden on the command line.
+
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.steps", "100"])
+    degrees = validate_parallelism(cfg, world_size)
+
+Sections and keys follow torchtitan's JobConfig names where an equivalent exists. Each section is a
+plain dataclass; its field comments are the documentation. Field types drive parsing: `Literal[...]`
+fields are choices, `float | None` accepts "none", `list[float]` accepts "0.9,0.95" on the CLI.
+Entry points catch `ConfigError` and call `exit_on_config_error(err)` (prints `error: ...`, exits 2).
+"""
+
+import dataclasses
+import difflib
+import sys
+import tomllib
+import types
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """Bad configuration input; the message names the file or key at fault."""
+
+
+@dataclass
+class Job:
+    name: str = "qwen35_moe"  # run name, used in logs
+    dump_folder: str = "./outputs"  # metrics, tensorboard, checkpoints and HF export go under here
+    description: str = ""
+
+
+@dataclass
+class Model:
+    name: str = "qwen35_moe"
+    flavor: str = "debugmodel"  # a named model shape from models/qwen35_moe flavors
+    # Optional path to a transformers config.json (or its folder); overrides the flavor's shape.
+    hf_config: str = ""
+    tokenizer_path: str = ""  # empty = the built-in byte tokenizer
+    # FLA refuses the gated-delta backward on Hopper with Triton < 3.7.1. "on" bypasses that guard
+    # explicitly (after a numerical self-check against the torch reference on the run's shapes);
+    # "off" never bypasses; "auto" bypasses only where the guard would trip and the self-check passes.
+    fla_hopper_backward: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass
+class Training:
+    steps: int = 10  # optimizer steps to run
+    seq_len: int = 256  # tokens per row
+    local_batch_size: int = 8  # rows per data-parallel rank per micro-batch
+    # Rows per optimizer step over all data-parallel ranks; -1 = local_batch_size * dp degree.
+    # A larger value (a multiple of that) means gradient accumulation.
+    global_batch_size: int = -1
+    max_norm: float = 1.0  # gradient-norm clipping threshold
+    seed: int = 42
+    deterministic: bool = False  # deterministic algorithms (slower)
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"  # FSDP param/compute dtype
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"  # FSDP gradient reduce dtype
+    dataset: Literal["text", "jsonl", "parquet", "hf"] = "text"
+    dataset_path: str = ""  # file, folder or HF dataset name, depending on `dataset`
+    dataset_text_field: str = "text"  # field holding the text in jsonl / parquet / hf records
+    aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    lr: float = 8e-4  # peak learning rate
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # CLI: "0.9,0.95"
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2  # linear warmup from ~0 to lr
+    # None = decay over all steps after warmup; else the fraction of steps in the final decay
+    # phase, with a constant lr between warmup and decay (warmup-stable-decay).
+    decay_ratio: float | None = None
+    decay_type: Literal["linear", "sqrt", "cosine"] = "cosine"
+    min_lr_factor: float = 0.1  # lr at the end of decay, as a fraction of lr
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1  # log every N steps
+    enable_tensorboard: bool = True
+    save_tb_folder: str = "tb"  # under dump_folder
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1  # DDP / HSDP replicas
+    data_parallel_shard_degree: int = -1  # FSDP shards; -1 = the rest of the world
+    context_parallel_degree: int = 1  # sequence sharding (zigzag layout)
+    expert_parallel_degree: int = 1  # must divide data_parallel_shard_degree * context_parallel_degree
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"  # under dump_folder; DCP steps saved as step-N/
+    interval: int = 500  # save every N steps (and at the last step)
+    keep_latest_k: int = 2  # older step folders are deleted; 0 = keep all
+    async_mode: Literal["disabled", "async"] = "disabled"
+    export_hf_at_end: bool = False  # write a Hugging Face folder to <dump_folder>/hf at the end
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    initial_load_hf: str = ""  # HF checkpoint folder to initialise weights from (when none to resume)
+    load_step: int = -1  # step to resume from; -1 = latest
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+
+
+@dataclass
+class Compile:
+    enable: bool = False  # torch.compile each transformer block
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# section name -> {key: type hint}
+_SCHEMA = {f.name: get_type_hints(f.default_factory) for f in dataclasses.fields(JobConfig)}
+_ALL_KEYS = [f"{s}.{k}" for s, keys in _SCHEMA.items() for k in keys]
+_TRUE, _FALSE, _NONE = {"true", "1", "yes"}, {"false", "0", "no"}, {"none", "null"}
+
+
+def _did_you_mean(name: str, candidates: list[str], form: str = "{}") -> str:
+    match = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {form.format(match[0])}?)" if match else ""
+
+
+def _is_optional(hint) -> bool:
+    return get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint)
+
+
+def _expected(hint) -> str:
+    if get_origin(hint) is Literal:
+        return "one of " + "|".join(get_args(hint))
+    if _is_optional(hint):
+        return "a number or none"
+    if get_origin(hint) is list:
+        return "a list of numbers (e.g. 0.9,0.95)"
+    return {bool: "a bool (true/false)", int: "an integer", float: "a number", str: "a string"}[hint]
+
+
+def _coerce(value: Any, hint, from_cli: bool) -> Any:
+    """`value` as `hint`, or raise ValueError. CLI values are strings to parse; TOML values must
+    already have the right type (bool is not an int; an int is a valid float)."""
+    if get_origin(hint) is Literal:
+        if value in get_args(hint):
+            return value
+    elif _is_optional(hint):
+        if from_cli and value.strip().lower() in _NONE:
+            return None
+        return _coerce(value, float, from_cli)
+    elif get_origin(hint) is list:
+        if from_cli:
+            value = [v for v in value.strip().strip("[]").split(",") if v.strip()]
+        if isinstance(value, list):
+            return [_coerce(v, float, from_cli) for v in value]
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+    elif hint is int:
+        if from_cli:
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if from_cli:
+            return float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    raise ValueError(value)
+
+
+def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, source: str) -> None:
+    hint = _SCHEMA[section][key]
+    try:
+        parsed = _coerce(value, hint, from_cli)
+    except ValueError:
+        raise ConfigError(f"{source}: {section}.{key} = {value!r} is not {_expected(hint)}") from None
+    setattr(getattr(cfg, section), key, parsed)
+
+
+def _apply_file(cfg: JobConfig, path: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None  # tomllib names line and column
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            owners = [f"[{s}]" for s, keys in _SCHEMA.items() if section in keys]
+            where = f" (it belongs under {' or '.join(owners)})" if owners else ""
+            raise ConfigError(f"{path}: top-level key {section!r} must be inside a [section]{where}")
+        if section not in _SCHEMA:
+            hint = _did_you_mean(section, list(_SCHEMA), "[{}]")
+            raise ConfigError(f"{path}: unknown section [{section}]{hint}")
+        for key, value in table.items():
+            if key not in _SCHEMA[section]:
+                hint = _did_you_mean(f"{section}.{key}", _ALL_KEYS)
+                raise ConfigError(f"{path}: unknown key {section}.{key}{hint}")
+            _set(cfg, section, key, value, from_cli=False, source=path)
+
+
+def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """(config path, [(section.key, raw value)]) from `--k v` / `--k=v` pairs."""
+    config_path, overrides, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument {arg!r}; use --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"command line: --{name} needs a value (--{name} VALUE or --{name}=VALUE)")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        if name == "config":
+            config_path = value
+        elif name not in _ALL_KEYS:
+            hint = _did_you_mean(name, _ALL_KEYS, "--{}")
+            raise ConfigError(f"command line: unknown option --{name}{hint}")
+        else:
+            overrides.append((name, value))
+    return config_path, overrides
+
+
+def _check_values(cfg: JobConfig) -> None:
+    positive = ["training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
+                "checkpoint.interval"]
+    for key in positive:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) <= 0:
+            raise ConfigError(f"{key} must be positive, got {getattr(getattr(cfg, section), name)}")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if len(cfg.optimizer.betas) != 2:
+        raise ConfigError(f"optimizer.betas needs two values (beta1, beta2), got {cfg.optimizer.betas}")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
+    ratio = cfg.lr_scheduler.decay_ratio
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {ratio}")
+    factor = cfg.lr_scheduler.min_lr_factor
+    if not 0 <= factor <= 1:
+        raise ConfigError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {factor}")
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Defaults, then the `--config` TOML file, then `--section.key` overrides; validated."""
+    config_path, overrides = _parse_argv(argv)
+    cfg = JobConfig()
+    if config_path is not None:
+        _apply_file(cfg, config_path)
+    for name, value in overrides:
+        section, key = name.split(".")
+        _set(cfg, section, key, value, from_cli=True, source="command line")
+    _check_values(cfg)
+    return cfg
+
+
+def validate_parallelism(cfg: JobConfig, world_size: int) -> dict[str, int]:
+    """Resolved degrees {dp_replicate, dp_shard, cp, ep} plus global_batch_size and grad_accum_steps
+    for `world_size` ranks; ConfigError when the layout is impossible."""
+    p = cfg.parallelism
+    r, s, cp, ep = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                    p.context_parallel_degree, p.expert_parallel_degree)
+    for key, degree in [("data_parallel_replicate_degree", r), ("context_parallel_degree", cp),
+                        ("expert_parallel_degree", ep)]:
+        if degree < 1:
+            raise ConfigError(f"parallelism.{key} must be >= 1, got {degree}")
+    if s == -1:
+        if world_size % (r * cp):
+            raise ConfigError(
+                f"parallelism.data_parallel_shard_degree = -1 needs world size {world_size} divisible by "
+                f"data_parallel_replicate_degree * context_parallel_degree = {r * cp}")
+        s = world_size // (r * cp)
+    elif s < 1:
+        raise ConfigError(f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {s}")
+    if r * s * cp != world_size:
+        raise ConfigError(
+            f"parallelism degrees multiply to {r * s * cp} (replicate {r} * shard {s} * cp {cp}) "
+            f"but the world size is {world_size}")
+    if (s * cp) % ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} must divide "
+            f"data_parallel_shard_degree * context_parallel_degree = {s * cp}")
+
+    local, gbs = cfg.training.local_batch_size, cfg.training.global_batch_size
+    per_step = local * r * s  # rows per micro-step over all data-parallel ranks
+    if gbs == -1:
+        gbs = per_step
+    if gbs <= 0 or gbs % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {cfg.training.global_batch_size} must be -1 or a positive "
+            f"multiple of local_batch_size * dp degree = {local} * {r * s} = {per_step}")
+    return {"dp_replicate": r, "dp_shard": s, "cp": cp, "ep": ep,
+            "global_batch_size": gbs, "grad_accum_steps": gbs // per_step}
+
+
+def exit_on_config_error(err: ConfigError) -> NoReturn:
+    """What an entry point does with a ConfigError: one line on stderr, exit code 2 (usage error)."""
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)

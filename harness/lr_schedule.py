@@ -1,0 +1,44 @@
+"""Learning-rate schedule: linear warmup, optional constant phase, then decay to min_lr_factor * lr.
+
+With `decay_ratio` None the decay spans every step after warmup (warmup + decay); with a ratio r the
+last r * steps decay and the steps between warmup and decay hold the peak lr (warmup-stable-decay).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float | None, decay_type: str,
+              min_lr_factor: float) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (1-based: the first update uses step 1)."""
+    warmup_steps = min(warmup_steps, total_steps)
+    if step <= warmup_steps:
+        return step / (warmup_steps + 1)  # never exactly 0: the first update already moves the weights
+    decay_steps = total_steps - warmup_steps if decay_ratio is None else round(total_steps * decay_ratio)
+    decay_start = total_steps - decay_steps
+    if step <= decay_start or decay_steps <= 0:
+        return 1.0
+    progress = min((step - decay_start) / decay_steps, 1.0)
+    if decay_type == "linear":
+        remaining = 1.0 - progress
+    elif decay_type == "sqrt":
+        remaining = 1.0 - math.sqrt(progress)
+    elif decay_type == "cosine":
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown decay_type {decay_type!r}")
+    return min_lr_factor + (1.0 - min_lr_factor) * remaining
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
+                       decay_ratio: float | None, decay_type: str, min_lr_factor: float):
+    """A LambdaLR whose `last_epoch` counts optimizer steps taken; `scheduler.step()` after each update."""
+    # LambdaLR evaluates the factor for its internal counter, which is 0 before the first update, so
+    # shift by one: the lr in force for update n is lr_factor(n).
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda n: lr_factor(n + 1, total_steps, warmup_steps, decay_ratio, decay_type, min_lr_factor),
+    )

@@ -1,0 +1,131 @@
+"""Training metrics: FLOPs per token and MFU, memory, and the log sinks (console, metrics.jsonl, TensorBoard).
+
+MFU convention (PaLM / torchtitan, so figures compare across harnesses): 6 FLOPs per active matmul
+parameter per token (forward + backward), plus the token mixers' own matmuls: full attention counted
+over the whole context (12 * heads * head_dim * seq_len per layer, no causal halving) and the chunked
+gated delta rule's per-token matmuls (3x forward). Active parameters are what one token touches:
+attention / GDN projections, router, top-k routed experts, shared expert, lm_head (not the embedding
+lookup). Peak is the device's dense bf16 rate; on CPU MFU is not defined (logged as null).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from models.qwen35_moe.args import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35MoeArgs
+
+logger = logging.getLogger(__name__)
+
+GDN_CHUNK_SIZE = 64
+
+# Dense bf16 tensor-core peak FLOP/s, by device-name substring (most specific first).
+_PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12),
+              ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("A10G", 70e12)]
+
+
+def active_matmul_params(args: Qwen35MoeArgs) -> int:
+    """Matmul parameters one token touches (routed experts: top-k of them)."""
+    h = args.hidden_size
+    attn = h * args.num_attention_heads * args.head_dim * 2 + 2 * h * args.num_key_value_heads * args.head_dim
+    attn += args.num_attention_heads * args.head_dim * h
+    key_dim = args.linear_num_key_heads * args.linear_key_head_dim
+    value_dim = args.linear_num_value_heads * args.linear_value_head_dim
+    gdn = h * (2 * key_dim + value_dim) + h * value_dim + 2 * h * args.linear_num_value_heads + value_dim * h
+    gdn += (2 * key_dim + value_dim) * args.linear_conv_kernel_dim
+    moe = h * args.num_experts + args.num_experts_per_tok * 3 * h * args.moe_intermediate_size
+    moe += 3 * h * args.shared_expert_intermediate_size + h
+    total = args.num_layers_of(FULL_ATTENTION) * attn + args.num_layers_of(LINEAR_ATTENTION) * gdn
+    return total + args.num_hidden_layers * moe + h * args.vocab_size
+
+
+def training_flops_per_token(args: Qwen35MoeArgs, seq_len: int) -> float:
+    attention = 12 * args.num_attention_heads * args.head_dim * seq_len
+    dk, dv, c = args.linear_key_head_dim, args.linear_value_head_dim, GDN_CHUNK_SIZE
+    # Chunked GDN forward per token and value head: 2 * (C * (3 Dk + 2 Dv) + 3 Dk Dv); x3 for training.
+    gdn = 3 * 2 * args.linear_num_value_heads * (c * (3 * dk + 2 * dv) + 3 * dk * dv)
+    mixers = args.num_layers_of(FULL_ATTENTION) * attention + args.num_layers_of(LINEAR_ATTENTION) * gdn
+    return 6 * active_matmul_params(args) + mixers
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in _PEAK_BF16:
+        if key in name:
+            return flops
+    logger.warning("unknown GPU %r: MFU is not reported", name)
+    return None
+
+
+def max_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 1024**2
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class MetricsLogger:
+    """Rank 0 writes a console line, one JSON object per logged step to metrics.jsonl, and TensorBoard scalars."""
+
+    def __init__(self, dump_folder: str | Path, total_steps: int, enable_tensorboard: bool, tb_folder: str,
+                 enabled: bool = True, append: bool = False):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.start = time.perf_counter()
+        self.first_step: int | None = None
+        self.writer = None
+        self.jsonl = None
+        if not enabled:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        # A fresh run starts a fresh file; a resumed one (append) continues it.
+        self.jsonl = open(folder / "metrics.jsonl", "a" if append else "w")
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(folder / tb_folder))
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        if not self.enabled:
+            return
+        if self.first_step is None:
+            self.first_step, self.start = step, time.perf_counter()
+        record = {"step": step, **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if value is not None:
+                    self.writer.add_scalar(key, value, step)
+        done = step - self.first_step
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total_steps - step) if done else float("nan")
+        mfu = metrics.get("mfu")
+        line = (
+            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {metrics['loss']:.4f}  "
+            f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['lr']:.2e}  "
+            f"tok/s {metrics['tokens_per_sec']:,.0f}  mfu {'n/a' if mfu is None else f'{mfu:.1%}'}  "
+            f"mem {metrics['max_memory_gib']:.2f}GiB  eta {_duration(eta) if done else '?'}"
+        )
+        print(line, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,56 @@
+"""Entry point: `python -m harness.train [--config FILE] [--section.key value ...]` (run_train.sh wraps it).
+
+Bad configuration is reported before any process group or output file exists: one `error:` line and
+exit code 2. A diverged run (NaN / inf loss) exits with code 3 and saves nothing for that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .config import ConfigError, exit_on_config_error, load_config, validate_parallelism
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(argv)
+        validate_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        _check_paths(cfg)
+    except ConfigError as err:
+        exit_on_config_error(err)
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[%(asctime)s rank" + str(rank) + "] %(message)s", datefmt="%H:%M:%S")
+    from .trainer import Trainer, TrainingDivergedError  # heavy imports only once the config is valid
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    except TrainingDivergedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    finally:
+        trainer.close()
+    return 0
+
+
+def _check_paths(cfg) -> None:
+    """Files the run needs, checked up front so a typo fails in a second, not after model setup."""
+    t = cfg.training
+    if t.dataset != "hf":
+        if not t.dataset_path:
+            raise ConfigError(f"training.dataset_path is empty; set it to a {t.dataset} file or folder")
+        if not os.path.exists(t.dataset_path):
+            raise ConfigError(f"training.dataset_path {t.dataset_path!r} does not exist")
+    for key, path in (("model.tokenizer_path", cfg.model.tokenizer_path), ("model.hf_config", cfg.model.hf_config),
+                      ("checkpoint.initial_load_hf", cfg.checkpoint.initial_load_hf)):
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{key} {path!r} does not exist")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

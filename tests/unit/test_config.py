@@ -1,0 +1,234 @@
+import pytest
+
+from harness.config import ConfigError, JobConfig, exit_on_config_error, load_config, validate_parallelism
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    def write(text: str, name: str = "run.toml") -> str:
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+    return write
+
+
+def cfg_with(**parallel_and_batch) -> JobConfig:
+    cfg = JobConfig()
+    for key, value in parallel_and_batch.items():
+        section = cfg.training if hasattr(cfg.training, key) else cfg.parallelism
+        setattr(section, key, value)
+    return cfg
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+def test_defaults_load_without_a_file():
+    cfg = load_config([])
+    assert cfg == JobConfig()
+    assert cfg.training.steps == 10 and cfg.optimizer.betas == [0.9, 0.95]
+    assert cfg.lr_scheduler.decay_ratio is None
+    assert cfg.to_dict()["parallelism"]["data_parallel_shard_degree"] == -1
+
+
+def test_toml_file_sets_values(toml_file):
+    path = toml_file("""
+[job]
+name = "exp1"
+[training]
+steps = 20
+max_norm = 2          # an int is a valid float
+dataset = "jsonl"
+[lr_scheduler]
+decay_ratio = 0.2
+[checkpoint]
+enable = true
+""")
+    cfg = load_config(["--config", path])
+    assert cfg.job.name == "exp1"
+    assert cfg.training.steps == 20 and cfg.training.dataset == "jsonl"
+    assert cfg.training.max_norm == 2.0 and isinstance(cfg.training.max_norm, float)
+    assert cfg.lr_scheduler.decay_ratio == 0.2
+    assert cfg.checkpoint.enable is True
+    assert cfg.training.seq_len == 256  # untouched keys keep defaults
+
+
+@pytest.mark.parametrize("style", ["space", "equals"])
+def test_cli_overrides_beat_the_file(toml_file, style):
+    path = toml_file("[training]\nsteps = 20\n[optimizer]\nlr = 1e-3\n")
+    flags = {"training.steps": "7", "optimizer.lr": "1e-4", "job.description": "a b"}
+    args = [x for k, v in flags.items() for x in ([f"--{k}", v] if style == "space" else [f"--{k}={v}"])]
+    cfg = load_config(["--config", path, *args])
+    assert cfg.training.steps == 7
+    assert cfg.optimizer.lr == pytest.approx(1e-4)
+    assert cfg.job.description == "a b"
+
+
+def test_cli_accepts_negative_numbers_and_none():
+    cfg = load_config(["--training.aux_loss_coef", "-1.5", "--lr_scheduler.decay_ratio", "0.1",
+                       "--lr_scheduler.decay_ratio=None"])
+    assert cfg.training.aux_loss_coef == -1.5
+    assert cfg.lr_scheduler.decay_ratio is None  # the later override wins
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("true", True), ("False", False), ("1", True), ("0", False), ("YES", True), ("no", False)])
+def test_cli_bool_parsing(text, expected):
+    assert load_config([f"--checkpoint.enable={text}"]).checkpoint.enable is expected
+
+
+def test_betas_from_toml_and_cli(toml_file):
+    path = toml_file("[optimizer]\nbetas = [0.8, 0.99]\n")
+    assert load_config(["--config", path]).optimizer.betas == [0.8, 0.99]
+    assert load_config(["--config", path, "--optimizer.betas", "0.9,0.999"]).optimizer.betas == [0.9, 0.999]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_missing_config_file_names_the_path(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="nope.toml"):
+        load_config(["--config", missing])
+
+
+def test_malformed_toml_names_file_and_line(toml_file):
+    path = toml_file("[training]\nsteps = 5\nseq_len 256\n", name="broken.toml")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", path])
+    assert "broken.toml" in str(e.value) and "line 3" in str(e.value)
+
+
+def test_unknown_cli_key_suggests_the_close_one():
+    with pytest.raises(ConfigError) as e:
+        load_config(["--training.step", "5"])
+    assert "training.step" in str(e.value) and "did you mean --training.steps?" in str(e.value)
+
+
+def test_unknown_section_and_key_in_file_are_named(toml_file):
+    path = toml_file("[trainig]\nsteps = 5\n", name="a.toml")
+    with pytest.raises(ConfigError, match=r"a\.toml.*\[trainig\].*did you mean \[training\]"):
+        load_config(["--config", path])
+    path = toml_file("[optimizer]\nlearning_rate = 1.0\n", name="b.toml")
+    with pytest.raises(ConfigError, match=r"b\.toml.*optimizer\.learning_rate"):
+        load_config(["--config", path])
+
+
+def test_top_level_key_in_file_points_to_its_section(toml_file):
+    path = toml_file("steps = 5\n", name="flat.toml")
+    with pytest.raises(ConfigError, match=r"flat\.toml.*'steps'.*\[training\]"):
+        load_config(["--config", path])
+
+
+def test_unknown_cli_section_is_rejected():
+    with pytest.raises(ConfigError, match="--trainer.steps"):
+        load_config(["--trainer.steps", "5"])
+
+
+def test_wrong_cli_type_names_key_value_and_type():
+    with pytest.raises(ConfigError) as e:
+        load_config(["--training.steps", "banana"])
+    msg = str(e.value)
+    assert "training.steps" in msg and "banana" in msg and "integer" in msg
+
+
+@pytest.mark.parametrize("toml,key", [
+    ('[training]\nsteps = "ten"\n', "training.steps"),
+    ("[training]\nsteps = true\n", "training.steps"),  # bool is not an int
+    ("[training]\ndeterministic = 1\n", "training.deterministic"),
+    ('[optimizer]\nbetas = [0.9, "x"]\n', "optimizer.betas"),
+    ("[model]\nflavor = 3\n", "model.flavor"),
+])
+def test_wrong_type_in_file_names_file_and_key(toml_file, toml, key):
+    path = toml_file(toml, name="typed.toml")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", path])
+    assert "typed.toml" in str(e.value) and key in str(e.value)
+
+
+def test_bad_bool_on_cli_is_rejected():
+    with pytest.raises(ConfigError, match="checkpoint.enable"):
+        load_config(["--checkpoint.enable=maybe"])
+
+
+@pytest.mark.parametrize("argv", [["--training.steps"], ["--training.steps", "--training.seq_len", "8"],
+                                  ["--config"]])
+def test_flag_without_value_is_rejected(argv):
+    with pytest.raises(ConfigError, match=argv[0].lstrip("-")):
+        load_config(argv)
+
+
+def test_positional_argument_is_rejected():
+    with pytest.raises(ConfigError, match="stray"):
+        load_config(["stray"])
+
+
+@pytest.mark.parametrize("flag,value", [("activation_checkpoint.mode", "partial"),
+                                        ("model.fla_hopper_backward", "yes"),
+                                        ("checkpoint.export_dtype", "fp8"),
+                                        ("training.dataset", "csv")])
+def test_value_outside_choices_is_rejected_with_the_choices(flag, value):
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--{flag}={value}"])
+    assert flag in str(e.value) and value in str(e.value) and "one of" in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["training.steps", "training.seq_len", "training.local_batch_size",
+                                  "metrics.log_freq"])
+def test_non_positive_sizes_are_rejected(flag):
+    with pytest.raises(ConfigError, match=flag):
+        load_config([f"--{flag}=0"])
+
+
+@pytest.mark.parametrize("lr", ["0", "-1e-3"])
+def test_non_positive_lr_is_rejected(lr):
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        load_config([f"--optimizer.lr={lr}"])
+
+
+def test_exit_on_config_error_prints_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_error(ConfigError("training.steps must be positive"))
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: training.steps must be positive"
+
+
+# --- parallelism and batch -----------------------------------------------------------------------
+
+def test_parallelism_resolves_shard_degree_from_the_world():
+    cfg = cfg_with(data_parallel_replicate_degree=2, context_parallel_degree=2)
+    d = validate_parallelism(cfg, world_size=8)
+    assert (d["dp_replicate"], d["dp_shard"], d["cp"], d["ep"]) == (2, 2, 2, 1)
+    assert validate_parallelism(JobConfig(), world_size=1)["dp_shard"] == 1
+
+
+def test_parallelism_accepts_expert_parallel_over_shard_and_cp():
+    cfg = cfg_with(data_parallel_shard_degree=2, context_parallel_degree=2, expert_parallel_degree=4)
+    assert validate_parallelism(cfg, world_size=4)["ep"] == 4
+
+
+@pytest.mark.parametrize("degrees,world,match", [
+    (dict(data_parallel_shard_degree=2, context_parallel_degree=2), 8, r"multiply to 4.*world size is 8"),
+    (dict(context_parallel_degree=3), 8, "divisible"),
+    (dict(context_parallel_degree=0), 8, "context_parallel_degree"),
+    (dict(data_parallel_shard_degree=0), 8, "data_parallel_shard_degree"),
+    (dict(data_parallel_replicate_degree=-1), 8, "data_parallel_replicate_degree"),
+    (dict(expert_parallel_degree=4), 6, "expert_parallel_degree"),
+    (dict(data_parallel_replicate_degree=2, expert_parallel_degree=8), 8, "expert_parallel_degree"),
+])
+def test_parallelism_rejects_impossible_layouts(degrees, world, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_parallelism(cfg_with(**degrees), world_size=world)
+
+
+def test_grad_accumulation_from_global_batch_size():
+    cfg = cfg_with(local_batch_size=4, data_parallel_replicate_degree=2)  # dp = 2 * 2 on 4 ranks
+    d = validate_parallelism(cfg, world_size=4)
+    assert (d["global_batch_size"], d["grad_accum_steps"]) == (16, 1)
+    cfg.training.global_batch_size = 64
+    assert validate_parallelism(cfg, world_size=4)["grad_accum_steps"] == 4
+
+
+@pytest.mark.parametrize("gbs", [24, 0, -2])
+def test_global_batch_not_a_multiple_of_local_times_dp_is_rejected(gbs):
+    cfg = cfg_with(local_batch_size=4, global_batch_size=gbs)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        validate_parallelism(cfg, world_size=4)  # 4 * 4 = 16 rows per micro-step

@@ -1,0 +1,121 @@
+"""The trainer end to end on CPU: smoke run, metrics, accumulation, determinism, divergence, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.config import load_config
+from harness.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "train_configs" / "debug_model.toml")
+CORPUS = str(REPO / "data" / "debug_corpus" / "train.jsonl")
+FAST = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+        "--metrics.enable_tensorboard", "false", "--training.dataset_path", CORPUS]
+
+
+def _run(tmp_path, *extra) -> int:
+    return main(["--config", CONFIG, *FAST, "--job.dump_folder", str(tmp_path / "out"), *extra])
+
+
+def _metrics(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_smoke_run_loss_falls_and_metrics_have_the_keys(tmp_path):
+    assert _run(tmp_path, "--training.steps", "20", "--metrics.enable_tensorboard", "true") == 0
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_memory_gib"):
+        assert key in rows[0], key
+    assert rows[0]["mfu"] is None  # CPU: no peak to divide by
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "tb").iterdir())
+
+
+def test_deterministic_runs_repeat_exactly(tmp_path):
+    flags = ["--training.steps", "3", "--training.deterministic", "true"]
+    assert _run(tmp_path / "a", *flags) == 0
+    assert _run(tmp_path / "b", *flags) == 0
+    losses = lambda d: [r["loss"] for r in _metrics(d)]
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    """Two microbatches of 2 rows give the same gradients as one microbatch of 4: the loss is the token
+    mean over the global batch however it is split. (The MoE balance loss is off: it is computed per
+    microbatch, so it legitimately depends on the split.)"""
+    from harness.trainer import Trainer
+
+    def trainer(local, global_):
+        cfg = load_config(["--config", CONFIG, *FAST, "--job.dump_folder", str(tmp_path / f"t{local}"),
+                           "--training.local_batch_size", str(local), "--training.global_batch_size", str(global_),
+                           "--training.aux_loss_coef", "0"])
+        return Trainer(cfg)
+
+    big, small = trainer(4, 4), trainer(2, 4)
+    assert small.degrees["grad_accum_steps"] == 2
+    batch = next(iter(big.dataloader))
+    batch["labels"][0, :10] = -100  # uneven label counts between the two halves
+    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
+    out_big, out_small = big.train_step([batch]), small.train_step(halves)
+    assert out_small["loss"] == pytest.approx(out_big["loss"], rel=1e-6)
+    assert out_small["grad_norm"] == pytest.approx(out_big["grad_norm"], rel=1e-5)
+    # Gradients (kept after the step), not updated weights: Adam's first update is ~lr * sign(grad),
+    # which turns fp32 summation-order noise in near-zero gradients into lr-sized differences.
+    for (name, a), b in zip(big.model.named_parameters(), small.model.parameters()):
+        rel = ((a.grad - b.grad).norm() / a.grad.norm()).item()
+        assert rel < 1e-5, f"{name}: relative grad difference {rel:.2e}"
+
+
+def test_nan_loss_stops_with_the_step_named(tmp_path, capsys):
+    assert _run(tmp_path, "--training.steps", "6", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0") == 3
+    err = capsys.readouterr().err
+    assert "error: step" in err and ("nan" in err or "inf" in err)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.steps", "banana"], "training.steps"),
+        (["--training.step", "5"], "did you mean --training.steps"),
+        (["--config", "/nonexistent/run.toml"], "/nonexistent/run.toml"),
+        (["--parallelism.data_parallel_shard_degree", "2"], "world size is 1"),
+        (["--training.dataset_path", "/nonexistent/corpus.jsonl"], "/nonexistent/corpus.jsonl"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(tmp_path, capsys, argv, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", CONFIG, "--job.dump_folder", str(out), *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_malformed_toml_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = 10\nseq_len = = 4\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(bad)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "line 3" in err
+
+
+def test_readme_train_command_runs(tmp_path):
+    """The README's training command (with a short run) works from the repository root."""
+    env = {**os.environ, "NGPU": "1"}
+    result = subprocess.run(
+        ["./run_train.sh", "--training.steps", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "o")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step 2/2" in result.stdout
+    assert (tmp_path / "o" / "metrics.jsonl").is_file()
