@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg)
     try:
         trainer.train()
+        if cfg.checkpoint.export_hf_at_end:
+            trainer.export_hf()
     except TrainingDivergedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
@@ -39,17 +41,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_paths(cfg) -> None:
-    """Files the run needs, checked up front so a typo fails in a second, not after model setup."""
+    """Files the run needs and features it asks for, checked up front so a typo fails in a second."""
+    p = cfg.parallelism
+    if p.context_parallel_degree > 1 or p.expert_parallel_degree > 1:
+        raise ConfigError("parallelism.context_parallel_degree and expert_parallel_degree > 1 are not "
+                          "available in this build yet; set them to 1")
+    if cfg.checkpoint.enable:
+        raise ConfigError("checkpoint.enable = true: DCP checkpointing and resume are not available in this "
+                          "build yet; set it to false (checkpoint.export_hf_at_end works without it)")
     t = cfg.training
     if t.dataset != "hf":
         if not t.dataset_path:
             raise ConfigError(f"training.dataset_path is empty; set it to a {t.dataset} file or folder")
         if not os.path.exists(t.dataset_path):
-            raise ConfigError(f"training.dataset_path {t.dataset_path!r} does not exist")
+            raise ConfigError(f"training.dataset_path {t.dataset_path!r} does not exist; set it in the config "
+                              "file or with --training.dataset_path PATH")
     for key, path in (("model.tokenizer_path", cfg.model.tokenizer_path), ("model.hf_config", cfg.model.hf_config),
                       ("checkpoint.initial_load_hf", cfg.checkpoint.initial_load_hf)):
         if path and not os.path.exists(path):
-            raise ConfigError(f"{key} {path!r} does not exist")
+            raise ConfigError(f"{key} {path!r} does not exist; set it in the config file or with --{key} PATH")
 
 
 if __name__ == "__main__":

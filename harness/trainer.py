@@ -57,9 +57,6 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.degrees = validate_parallelism(cfg, self.world_size)  # again here for direct callers
-        if self.degrees["cp"] > 1 or self.degrees["ep"] > 1:
-            raise NotImplementedError("context and expert parallelism are not available in this build; "
-                                      "set parallelism.context_parallel_degree = expert_parallel_degree = 1")
 
         if torch.cuda.is_available():
             self.device = torch.device("cuda", local_rank)
@@ -68,13 +65,16 @@ class Trainer:
             self.device = torch.device("cpu")
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
-        # A process group whenever torchrun launched us (even with one rank: FSDP2 gives GPU runs their
-        # mixed precision the same way at every scale).
+        # A process group on every GPU run, even a single one (FSDP2 then gives it the same bf16 mixed
+        # precision as at scale), and on multi-process CPU runs; a single CPU process needs none.
         self.mesh = None
-        if "RANK" in os.environ and self.device.type == "cuda" or self.world_size > 1:
+        if self.device.type == "cuda" or self.world_size > 1:
             if not dist.is_initialized():
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
-                dist.init_process_group(backend, timeout=timedelta(minutes=10))
+                if "RANK" in os.environ:  # launched by torchrun
+                    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+                else:
+                    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             shape = (self.degrees["dp_replicate"], self.degrees["dp_shard"])
             if shape[0] == 1:
                 self.mesh = init_device_mesh(self.device.type, (shape[1],), mesh_dim_names=("dp_shard",))
@@ -132,7 +132,8 @@ class Trainer:
             self._load_hf_weights(model, cfg.checkpoint.initial_load_hf)
         n_params = sum(p.numel() for p in model.parameters())
         if self.rank == 0:
-            logger.info("model %s: %.2fM parameters (%s on %s)", cfg.model.flavor, n_params / 1e6,
+            shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
+            logger.info("model %s: %.2fM parameters (%s on %s)", shape, n_params / 1e6,
                         "FSDP" if self.mesh is not None else "single process", self.device)
         return model
 
@@ -233,6 +234,21 @@ class Trainer:
         finally:
             self.metrics.close()
         return last
+
+    def export_hf(self) -> None:
+        """Write the trained weights as a Hugging Face folder at <dump_folder>/hf (rank 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from models.qwen35_moe import save_hf_checkpoint
+
+        # Every rank takes part in gathering the full (unsharded) weights; only rank 0 keeps them.
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            folder = os.path.join(self.cfg.job.dump_folder, "hf")
+            save_hf_checkpoint(state, self.model_args, folder, dtype=_DTYPES[self.cfg.checkpoint.export_dtype])
+            logger.info("exported Hugging Face checkpoint to %s", folder)
+        if dist.is_initialized():
+            dist.barrier()
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -119,3 +119,27 @@ def test_readme_train_command_runs(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "step 2/2" in result.stdout
     assert (tmp_path / "o" / "metrics.jsonl").is_file()
+
+
+def test_hf_export_at_end_loads_in_transformers_with_our_logits(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from models.qwen35_moe import from_pretrained
+    from tests.hf_reference import force_transformers_torch_kernels
+
+    force_transformers_torch_kernels(monkeypatch)
+    assert _run(tmp_path, "--training.steps", "2", "--checkpoint.export_hf_at_end", "true",
+                "--checkpoint.export_dtype", "float32") == 0
+    folder = tmp_path / "out" / "hf"
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    ids = torch.randint(0, 258, (1, 50))
+    with torch.no_grad():
+        diff = (hf(input_ids=ids).logits - from_pretrained(folder)(ids).logits).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_checkpoint_enable_is_refused_until_available(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", CONFIG, "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.enable", "true"])
+    assert exit_info.value.code == 2
+    assert "checkpoint.enable" in capsys.readouterr().err
