@@ -8,20 +8,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.gpu.test_model_cuda import ARGS, _rel  # noqa: E402
+from tests.gpu.test_model_cuda import ARGS, _rel, build_reference_model  # noqa: E402
 
-from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
-
-torch.manual_seed(0)
-with torch.device("meta"):
-    model = Qwen35MoeModel(ARGS)
-model.to_empty(device="cpu")
-model.init_weights()
-with torch.no_grad():
-    for name, p in model.named_parameters():
-        if name.endswith("mlp.gate.weight"):
-            p.normal_(0.0, 0.5)
-model = model.to(torch.bfloat16).float()  # bf16-representable weights for every variant
+model = build_reference_model()
 g = torch.Generator().manual_seed(5)
 ids = torch.randint(0, ARGS.vocab_size, (2, 256), generator=g)
 packed = torch.cat((torch.arange(100), torch.arange(156))).expand(2, 256)
