@@ -40,7 +40,13 @@ def test_smoke_run_loss_falls_and_metrics_have_the_keys(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "tb").iterdir())
 
 
-def test_deterministic_runs_repeat_exactly(tmp_path):
+@pytest.fixture
+def restore_determinism():
+    yield
+    torch.use_deterministic_algorithms(False)  # a process-wide switch: keep it out of later tests
+
+
+def test_deterministic_runs_repeat_exactly(tmp_path, restore_determinism):
     flags = ["--training.steps", "3", "--training.deterministic", "true"]
     assert _run(tmp_path / "a", *flags) == 0
     assert _run(tmp_path / "b", *flags) == 0
