@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         validate_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        _check_paths(cfg)
+        _check_run_requirements(cfg)
     except ConfigError as err:
         exit_on_config_error(err)
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check_paths(cfg) -> None:
+def _check_run_requirements(cfg) -> None:
     """Files the run needs and features it asks for, checked up front so a typo fails in a second."""
     p = cfg.parallelism
     if p.context_parallel_degree > 1 or p.expert_parallel_degree > 1:

@@ -162,9 +162,8 @@ class Trainer:
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         kwargs = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        # Adam applies weight_decay as an L2 term in the gradient, AdamW decoupled from it.
         cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
-        if cls is torch.optim.Adam:
-            groups = [{"params": decay + no_decay}]
         return cls(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, **kwargs)
 
     # ---- training ----
