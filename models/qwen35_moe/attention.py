@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -14,13 +15,15 @@ from .norms import ZeroCenteredRMSNorm
 from .rope import apply_rope
 
 
+@functools.cache
 def _varlen_attn():
-    """torch's flash varlen attention, or None on a torch without it."""
+    """(torch's flash varlen attention, whether it takes enable_gqa), or (None, False) on a torch without it.
+    Looked up once: it runs in every attention layer's forward."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn
+        return None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _sdpa(q, k, v, layout: DocumentLayout) -> torch.Tensor:
@@ -36,13 +39,14 @@ def _sdpa(q, k, v, layout: DocumentLayout) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
 
 
-def _flash_varlen(q, k, v, layout: DocumentLayout, varlen_attn) -> torch.Tensor:
+def _flash_varlen(q, k, v, layout: DocumentLayout) -> torch.Tensor:
     """Packed documents on CUDA in half precision: flash varlen, no (S, S) mask is materialised."""
     batch, seq = q.shape[0], q.shape[1]
     q, k, v = (t.reshape(batch * seq, t.shape[2], t.shape[3]) for t in (q, k, v))  # (B*S, H, D)
+    varlen_attn, takes_gqa = _varlen_attn()
     kwargs = {}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        if takes_gqa:
             kwargs["enable_gqa"] = True
         else:
             repeats = q.shape[1] // k.shape[1]
@@ -85,9 +89,8 @@ class GatedAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        varlen_attn = _varlen_attn()
-        if layout.is_packed and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn:
-            out = _flash_varlen(q, k, v, layout, varlen_attn)  # (B, S, Hq, D)
+        if layout.is_packed and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_attn()[0]:
+            out = _flash_varlen(q, k, v, layout)  # (B, S, Hq, D)
         else:
             out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout).transpose(1, 2)
         out = out.reshape(batch, seq, self.num_heads * self.head_dim) * torch.sigmoid(gate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -86,19 +87,13 @@ def save_hf_checkpoint(
     if folder.exists():
         backup = folder.with_name(folder.name + ".old")
         if backup.exists():  # left by an export that died between the two renames
-            _remove_tree(backup)
+            shutil.rmtree(backup)
         folder.rename(backup)
         tmp.rename(folder)
-        _remove_tree(backup)
+        shutil.rmtree(backup)
     else:
         tmp.rename(folder)
     return folder
-
-
-def _remove_tree(path: Path) -> None:
-    for child in path.iterdir():
-        _remove_tree(child) if child.is_dir() else child.unlink()
-    path.rmdir()
 
 
 def from_pretrained(

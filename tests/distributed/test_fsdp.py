@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from models.qwen35_moe import Qwen35MoeModel, get_flavor, save_hf_checkpoint
+from models.qwen35_moe import get_flavor, save_hf_checkpoint
+from tests.builders import initialized_model
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "distributed" / "fsdp_step_worker.py")
@@ -20,11 +21,7 @@ def _run(cmd, tmp_path):
 
 
 def test_fsdp_two_ranks_matches_single_process(tmp_path):
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Qwen35MoeModel(get_flavor("debugmodel"))
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = initialized_model(get_flavor("debugmodel"))
     save_hf_checkpoint(model.state_dict(), model.args, tmp_path / "init", dtype=torch.float32)
     init = str(tmp_path / "init")
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward
+from tests.builders import initialized_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,11 +38,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def build_reference_model() -> Qwen35MoeModel:
     """The fp32 CPU reference, with bf16-representable weights so every variant starts equal."""
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        ref = Qwen35MoeModel(ARGS)
-    ref.to_empty(device="cpu")
-    ref.init_weights()
+    ref = initialized_model(ARGS)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if p.ndim == 1 and "_fp32_params" not in name:  # norms off their init so they matter

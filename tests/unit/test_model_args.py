@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor, qwen35_moe_flavors
+from tests.builders import initialized_model
 from tests.hf_reference import TINY_HF_CONFIG
 
 
@@ -84,11 +85,7 @@ def test_invalid_shapes_are_rejected():
 
 
 def test_meta_init_gives_hf_like_init():
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Qwen35MoeModel(get_flavor("debugmodel"))
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = initialized_model(get_flavor("debugmodel"))
     gdn = model.layers["0"].linear_attn
     a = gdn.A_log.exp()
     assert torch.all((a >= 0.01 - 1e-6) & (a <= 16 + 1e-4))

@@ -6,17 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_moe import Qwen35MoeModel, get_flavor
+from models.qwen35_moe import get_flavor
 from parallel.parallelize import apply_activation_checkpointing
+from tests.builders import initialized_model
 
 
 def _model():
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Qwen35MoeModel(get_flavor("debugmodel"))
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
+    return initialized_model(get_flavor("debugmodel"))
 
 
 def _loss_and_grads(model, ids, positions):

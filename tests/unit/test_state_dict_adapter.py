@@ -16,18 +16,14 @@ from models.qwen35_moe import (
     save_hf_checkpoint,
 )
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
+from tests.builders import initialized_model
 from tests.hf_reference import TINY_HF_CONFIG
 
 ARGS = Qwen35MoeArgs.from_hf_config(TINY_HF_CONFIG)
 
 
 def _native_model(seed=0) -> Qwen35MoeModel:
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = Qwen35MoeModel(ARGS)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
+    return initialized_model(ARGS, seed)
 
 
 def _official_dtypes(hf: dict) -> dict:
