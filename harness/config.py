@@ -1,7 +1,7 @@
 """Run configuration: one TOML file describes a run; any key can be overridden on the command line.
 
     cfg = load_config(["--config", "train_configs/debug_model.toml", "--training.steps", "100"])
-    degrees = validate_parallelism(cfg, world_size)
+    layout = validate_parallelism(cfg, world_size)  # parallel degrees, global batch, accumulation
 
 Sections and keys follow torchtitan's JobConfig names where an equivalent exists. Each section is a
 plain dataclass; its field comments are the documentation. Field types drive parsing: `Literal[...]`
@@ -17,6 +17,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin, get_type_hints
 
+from parallel.parallel_dims import ParallelDims
+
 
 class ConfigError(ValueError):
     """Bad configuration input; the message names the file or key at fault."""
@@ -24,7 +26,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class Job:
-    name: str = "qwen35_moe"  # run name, used in logs
+    name: str = "qwen35_moe"  # run name: prefixes every log line and console metrics line
     dump_folder: str = "./outputs"  # metrics, tensorboard, checkpoints and HF export go under here
     description: str = ""
 
@@ -36,10 +38,10 @@ class Model:
     # Optional path to a transformers config.json (or its folder); overrides the flavor's shape.
     hf_config: str = ""
     tokenizer_path: str = ""  # empty = the built-in byte tokenizer
-    # FLA refuses the gated-delta backward on Hopper with Triton < 3.7.1. "on" bypasses that guard
-    # explicitly (after a numerical self-check against the torch reference on the run's shapes);
-    # "off" never bypasses; "auto" bypasses only where the guard would trip and the self-check passes.
-    fla_hopper_backward: Literal["auto", "on", "off"] = "auto"
+    # FLA refuses the gated-delta backward on Hopper with Triton < 3.7.1. "auto" bypasses that guard only
+    # where it would trip and a numerical self-check of FLA's gradients on the run's head shapes passes
+    # (else the run stops, naming the errors); "off" never bypasses (FLA's own error on such machines).
+    fla_hopper_backward: Literal["auto", "off"] = "auto"
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Training:
     # Rows per optimizer step over all data-parallel ranks; -1 = local_batch_size * dp degree.
     # A larger value (a multiple of that) means gradient accumulation.
     global_batch_size: int = -1
-    max_norm: float = 1.0  # gradient-norm clipping threshold
+    max_norm: float | None = 1.0  # gradient-norm clipping threshold (> 0); none = no clipping (norm still logged)
     seed: int = 42
     deterministic: bool = False  # deterministic algorithms (slower)
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"  # FSDP param/compute dtype
@@ -58,6 +60,9 @@ class Training:
     dataset: Literal["text", "jsonl", "parquet", "hf"] = "text"
     dataset_path: str = ""  # file, folder or HF dataset name, depending on `dataset`
     dataset_text_field: str = "text"  # field holding the text in jsonl / parquet / hf records
+    # Tokenized cache of a local dataset (built once per dataset and tokenizer, then memory-mapped);
+    # empty = <dump_folder>/dataset_cache. Point runs that share a dataset at one folder.
+    dataset_cache_dir: str = ""
     aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
 
 
@@ -167,7 +172,7 @@ def _coerce(value: Any, hint, from_cli: bool) -> Any:
         if value in get_args(hint):
             return value
     elif _is_optional(hint):
-        if from_cli and value.strip().lower() in _NONE:
+        if isinstance(value, str) and value.strip().lower() in _NONE:  # TOML has no null: "none" there too
             return None
         return _coerce(value, float, from_cli)
     elif get_origin(hint) is list:
@@ -264,11 +269,22 @@ def _check_values(cfg: JobConfig) -> None:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if len(cfg.optimizer.betas) != 2:
         raise ConfigError(f"optimizer.betas needs two values (beta1, beta2), got {cfg.optimizer.betas}")
+    max_norm = cfg.training.max_norm
+    if max_norm is not None and not max_norm > 0:  # `not >` also catches nan
+        raise ConfigError(f"training.max_norm must be positive, or none for no clipping, got {max_norm}")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
     ratio = cfg.lr_scheduler.decay_ratio
     if ratio is not None and not 0 <= ratio <= 1:
         raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {ratio}")
+    if ratio is not None:
+        steps, warmup = cfg.training.steps, cfg.lr_scheduler.warmup_steps
+        decay_start = steps - round(steps * ratio)
+        if warmup > decay_start:  # the lr would jump from the warmup ramp into the middle of the decay
+            raise ConfigError(
+                f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
+                f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps or "
+                f"decay_ratio")
     factor = cfg.lr_scheduler.min_lr_factor
     if not 0 <= factor <= 1:
         raise ConfigError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {factor}")
@@ -287,43 +303,32 @@ def load_config(argv: list[str]) -> JobConfig:
     return cfg
 
 
-def validate_parallelism(cfg: JobConfig, world_size: int) -> dict[str, int]:
-    """Resolved degrees {dp_replicate, dp_shard, cp, ep} plus global_batch_size and grad_accum_steps
-    for `world_size` ranks; ConfigError when the layout is impossible."""
-    p = cfg.parallelism
-    r, s, cp, ep = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                    p.context_parallel_degree, p.expert_parallel_degree)
-    for key, degree in [("data_parallel_replicate_degree", r), ("context_parallel_degree", cp),
-                        ("expert_parallel_degree", ep)]:
-        if degree < 1:
-            raise ConfigError(f"parallelism.{key} must be >= 1, got {degree}")
-    if s == -1:
-        if world_size % (r * cp):
-            raise ConfigError(
-                f"parallelism.data_parallel_shard_degree = -1 needs world size {world_size} divisible by "
-                f"data_parallel_replicate_degree * context_parallel_degree = {r * cp}")
-        s = world_size // (r * cp)
-    elif s < 1:
-        raise ConfigError(f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {s}")
-    if r * s * cp != world_size:
-        raise ConfigError(
-            f"parallelism degrees multiply to {r * s * cp} (replicate {r} * shard {s} * cp {cp}) "
-            f"but the world size is {world_size}")
-    if (s * cp) % ep:
-        raise ConfigError(
-            f"parallelism.expert_parallel_degree = {ep} must divide "
-            f"data_parallel_shard_degree * context_parallel_degree = {s * cp}")
+@dataclass(frozen=True)
+class RunLayout:
+    """How a run's ranks and rows are arranged: parallel degrees, global batch and gradient accumulation."""
 
+    dims: ParallelDims
+    global_batch_size: int  # rows per optimizer step over all data-parallel ranks
+    grad_accum_steps: int  # micro-batches per optimizer step on each rank
+
+
+def validate_parallelism(cfg: JobConfig, world_size: int) -> RunLayout:
+    """The resolved layout of `cfg` on `world_size` ranks; ConfigError when it is impossible."""
+    p = cfg.parallelism
+    try:
+        dims = ParallelDims.resolve(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                                    p.context_parallel_degree, p.expert_parallel_degree, world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     local, gbs = cfg.training.local_batch_size, cfg.training.global_batch_size
-    per_step = local * r * s  # rows per micro-step over all data-parallel ranks
+    per_step = local * dims.dp  # rows per micro-step over all data-parallel ranks
     if gbs == -1:
         gbs = per_step
     if gbs <= 0 or gbs % per_step:
         raise ConfigError(
             f"training.global_batch_size = {cfg.training.global_batch_size} must be -1 or a positive "
-            f"multiple of local_batch_size * dp degree = {local} * {r * s} = {per_step}")
-    return {"dp_replicate": r, "dp_shard": s, "cp": cp, "ep": ep,
-            "global_batch_size": gbs, "grad_accum_steps": gbs // per_step}
+            f"multiple of local_batch_size * dp degree = {local} * {dims.dp} = {per_step}")
+    return RunLayout(dims, gbs, gbs // per_step)
 
 
 def exit_on_config_error(err: ConfigError) -> NoReturn:

@@ -1,4 +1,4 @@
-"""Training data: document sources, packing into fixed-length rows with document boundaries, DP sharding, resume.
+"""Training data: document sources, a tokenized cache, packed rows with document boundaries, DP dealing, resume.
 
 Sources (`open_documents(kind, path, text_field)`) yield one string per document:
   text     a .txt file or a folder of them (recursive, sorted); documents are separated by blank lines
@@ -6,19 +6,39 @@ Sources (`open_documents(kind, path, text_field)`) yield one string per document
   parquet  a .parquet file or a folder of them; the `text_field` column (needs pyarrow)
   hf       a Hugging Face `datasets` name, streamed from split "train" (needs datasets and hub access)
 
-Packing (`PackedDataLoader`), the contract the model relies on (DESIGN.md, "Packed documents"):
-  - each document becomes [bos if the tokenizer has one] + tokens + [eos if it has one]; documents of this
-    rank are concatenated into one token stream;
+The trainer calls `build_dataloader`, on every rank of the world when torch.distributed is initialized. Its
+batches are dicts of (batch_size, seq_len) int64 tensors: input_ids, labels, position_ids.
+
+Packing, the contract the model relies on (docs/design.md, "Packed documents"):
+  - each document becomes [bos if the tokenizer has one] + tokens + [eos if it has one]; the documents are
+    concatenated into one token stream;
   - row k is the window stream[k*L : k*L + L + 1] (L = seq_len): input_ids = window[:-1], labels = window[1:].
     Windows overlap by one token, so every token is an input once and every next-token pair is a label once;
   - labels are -100 where the next token starts another document: never predict across a boundary;
   - position_ids restart at 0 at every document start and at every row start. A document cut by a row end
     continues in the next row with positions from 0 again: the model treats each row start as a document
     start (GDN state, conv history and attention reset there), the usual cost of packing without padding.
-  Batches are dicts of (batch_size, seq_len) int64 tensors: input_ids, labels, position_ids.
 
-Sharding is over data-parallel ranks only (context-parallel ranks of one DP rank share its rows and split
-them later): DP rank r reads documents r, r + W, r + 2W, ... so ranks see disjoint data.
+Local sources (text, jsonl, parquet) are tokenized once into a memory-mapped cache under `cache_dir`
+(harness/token_cache.py: key, layout, atomic build). The build is shared: each file is cut into work units
+(byte ranges of UNIT_BYTES at document boundaries, parquet row groups) that depend on the files only, and
+rank r of W tokenizes units r, r + W, ... So no rank parses documents it does not tokenize.
+Rows are then global, fixed by the cache, whatever the number of ranks: global micro-batch m holds rows
+[m*W*b, (m+1)*W*b) (W data-parallel ranks, b = batch_size rows each) and DP rank r takes rows m*W*b + r + j*W,
+j = 0..b-1. One process with b = 4 and two with b = 2 train on the same rows in each micro-batch. After the
+last full row an infinite loader wraps to row 0 (a new epoch); a finite one stops before a global micro-batch
+it cannot fill, on every rank alike.
+Resume: `state_dict()` is the number of global rows consumed plus seq_len and the ids of the tokenizer and of
+the token stream (plain ints and strings, the same on every DP rank). `load_state_dict` continues exactly,
+also at another data-parallel degree or batch size, and also from a copy of the dataset at another path; a
+state from another tokenizer, token stream or seq_len is a ValueError naming the difference.
+
+Hugging Face streams (hf) have no cache: each DP rank reads its shard (datasets.distributed.
+split_dataset_by_node) and packs it on its own, as far as the prefetch queue allows ahead of the training step,
+in a background thread. Their rows therefore DO depend on the number of data-parallel ranks, and their state
+resumes only at the same DP rank and degree, by skipping (reading without tokenizing) the consumed documents.
+
+Context-parallel ranks of one DP rank pass the same dp_rank and get the same rows; they split them later.
 """
 
 from __future__ import annotations
@@ -28,16 +48,25 @@ import importlib
 import itertools
 import json
 import logging
+import queue
+import threading
+import weakref
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
+import numpy as np
 import torch
+
+from . import token_cache
+from .token_cache import TokenCache
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 SOURCE_SUFFIXES = {"text": ".txt", "jsonl": ".jsonl", "parquet": ".parquet"}
 SOURCE_KINDS = (*SOURCE_SUFFIXES, "hf")
+UNIT_BYTES = 64 << 20  # work unit of the cache build: enough units to spread over ranks, each worth a seek
+PREFETCH_BATCHES = 4  # hf: batches packed ahead of the training step
 _END = object()  # end of a pass over the documents
 
 
@@ -51,9 +80,8 @@ def open_documents(kind: str, path: str, text_field: str = "text") -> Iterator[s
     _check_source(kind, path)
     if kind == "hf":
         return _hf_documents(path, text_field)
-    files = _source_files(Path(path), SOURCE_SUFFIXES[kind])
-    readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
-    return readers[kind](files, text_field)
+    units = source_units(kind, _source_files(Path(path), SOURCE_SUFFIXES[kind]))
+    return itertools.chain.from_iterable(read_unit(kind, unit, text_field) for unit in units)
 
 
 def _check_source(kind: str, path: str) -> None:
@@ -74,60 +102,208 @@ def _source_files(path: Path, suffix: str) -> list[Path]:
     return files
 
 
-def _text_documents(files: list[Path], text_field: str) -> Iterator[str]:
+class WorkUnit(NamedTuple):
+    """A piece of one source file, tokenized by one rank: for text and jsonl, the documents that start in bytes
+    [start, stop) (the last one may run past stop); for parquet, row groups [start, stop)."""
+
+    file: Path
+    start: int
+    stop: int
+
+
+def source_units(kind: str, files: list[Path], unit_bytes: int | None = None) -> list[WorkUnit]:
+    """The work units of local files, in document order. They depend on the files only, never on the number of
+    ranks, so any world builds the same cache. unit_bytes None: one unit per file."""
+    units = []
+    for file in files:
+        if kind == "parquet":  # row groups: parquet's own unit of reading
+            length = _parquet_file(file).num_row_groups
+            step = 1 if unit_bytes else max(length, 1)
+        else:
+            length = file.stat().st_size
+            step = unit_bytes or max(length, 1)
+        units += [WorkUnit(file, start, min(start + step, length)) for start in range(0, length, step)]
+    return units
+
+
+def read_unit(kind: str, unit: WorkUnit, text_field: str = "text") -> Iterator[str]:
+    readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
+    return readers[kind](unit, text_field)
+
+
+def _text_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
+    """Documents are runs of non-blank lines; one starts at a non-blank line after a blank one or at byte 0."""
     del text_field  # plain text has no fields
-    for file in files:
-        with open(file, encoding="utf-8") as f:
-            lines: list[str] = []
-            for line in f:
-                if line.strip():
-                    lines.append(line)
+    with open(unit.file, "rb") as f:
+        first = _first_line_start(f, unit.start)
+        after_blank = first == 0 or _ends_with_blank_line(_line_before(f, first))
+        lines: list[str] = []  # the document being read: it started in this unit
+        for offset, raw in _lines_from(f, first):
+            if offset >= unit.stop and not lines:
+                return
+            for line in _universal_lines(_decode(raw, unit.file, offset)):
+                if _is_blank(line):
+                    if lines:
+                        yield "".join(lines).rstrip("\n")
+                        lines = []
+                elif after_blank:  # a document starts here; it belongs to the unit its first line starts in
+                    if offset >= unit.stop:
+                        return
+                    lines = [line]
                 elif lines:
-                    yield "".join(lines).rstrip("\n")
-                    lines = []
-            if lines:
-                yield "".join(lines).rstrip("\n")
+                    lines.append(line)
+                # else: the rest of a document that started in an earlier unit
+                after_blank = _is_blank(line)
+        if lines:
+            yield "".join(lines).rstrip("\n")
 
 
-def _jsonl_documents(files: list[Path], text_field: str) -> Iterator[str]:
-    for file in files:
-        with open(file, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
+    with open(unit.file, "rb") as f:
+        for offset, raw in _lines_from(f, _first_line_start(f, unit.start)):
+            if offset >= unit.stop:
+                return
+            for i, line in enumerate(_universal_lines(_decode(raw, unit.file, offset))):
+                if _is_blank(line):
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{file}:{lineno}: not a JSON object ({e.msg})") from None
+                    raise ValueError(f"{_where(unit.file, offset, i)}: not a JSON object ({e.msg})") from None
                 if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                    raise ValueError(f"{file}:{lineno}: no string field {text_field!r}; is the text field "
-                                     f"of this dataset named differently?")
+                    raise ValueError(f"{_where(unit.file, offset, i)}: no string field {text_field!r}; is the text "
+                                     f"field of this dataset named differently?")
                 yield row[text_field]
 
 
-def _parquet_documents(files: list[Path], text_field: str) -> Iterator[str]:
-    pq = _import_optional("pyarrow.parquet", "pyarrow")
-    for file in files:
-        pf = pq.ParquetFile(file)
-        if text_field not in pf.schema_arrow.names:
-            raise ValueError(f"{file}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)})")
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):  # bounded memory on big files
-            yield from (text for text in batch.column(0).to_pylist() if text is not None)  # skip null rows
+def _parquet_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
+    pf = _parquet_file(unit.file)
+    if text_field not in pf.schema_arrow.names:
+        raise ValueError(f"{unit.file}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)})")
+    row_groups = list(range(unit.start, unit.stop))
+    for batch in pf.iter_batches(batch_size=1024, row_groups=row_groups, columns=[text_field]):  # bounded memory
+        yield from (text for text in batch.column(0).to_pylist() if text is not None)  # skip null rows
 
 
-def _hf_documents(name: str, text_field: str) -> Iterator[str]:
+def _parquet_file(file: Path):
+    return _import_optional("pyarrow.parquet", "pyarrow").ParquetFile(file)
+
+
+# Text and jsonl files are read in binary, so that a unit can seek to its byte range, and decoded line by line
+# the way open(file, encoding="utf-8") reads: "\r\n" and a lone "\r" end lines too. Binary lines end at b"\n"
+# only, which never occurs inside a multi-byte UTF-8 character.
+
+
+def _first_line_start(f, offset: int) -> int:
+    """Offset of the first line that starts at or after `offset` (lines start at 0 and after b"\\n")."""
+    if offset == 0:
+        return 0
+    f.seek(offset - 1)
+    f.readline()
+    return f.tell()
+
+
+def _line_before(f, offset: int) -> bytes:
+    """The binary line that ends just before `offset` (a line start > 0): found by reading backwards."""
+    start = offset - 1  # the b"\n" that ends it
+    while start > 0:
+        step = min(start, 1 << 16)
+        f.seek(start - step)
+        newline = f.read(step).rfind(b"\n")
+        if newline >= 0:
+            start = start - step + newline + 1
+            break
+        start -= step
+    f.seek(start)
+    return f.read(offset - start)
+
+
+def _lines_from(f, offset: int) -> Iterator[tuple[int, bytes]]:
+    f.seek(offset)
+    for raw in f:
+        yield offset, raw
+        offset += len(raw)
+
+
+def _decode(raw: bytes, file: Path, offset: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{_where(file, offset, 0)}: not UTF-8 text ({e.reason})") from None
+
+
+def _universal_lines(text: str) -> list[str]:
+    if "\r" not in text:  # the usual case: one binary line is one line
+        return [text]
+    parts = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return [part + "\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+
+def _ends_with_blank_line(raw: bytes) -> bool:
+    # Only the blankness of a line of another unit matters here; that unit reports its decoding errors.
+    return _is_blank(_universal_lines(raw.decode("utf-8", "replace"))[-1])
+
+
+def _is_blank(line: str) -> bool:
+    return not line.strip()
+
+
+def _where(file: Path, offset: int, index: int) -> str:
+    """`file:line` of the index-th line of the binary line at `offset`."""
+    return f"{file}:{_line_number(file, offset) + index}"
+
+
+def _line_number(file: Path, offset: int) -> int:
+    """1-based number, as text mode counts lines, of the line starting at byte `offset`. For error messages
+    only: it reads the file up to there, since a unit does not know how many lines precede it."""
+    count, cr_before = 0, False
+    with open(file, "rb") as f:
+        while offset > 0:
+            block = f.read(min(offset, 1 << 20))
+            offset -= len(block)
+            count += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+            if cr_before and block.startswith(b"\n"):  # a "\r\n" split between two blocks counted twice
+                count -= 1
+            cr_before = block.endswith(b"\r")
+    return count + 1
+
+
+def _source_identity(kind: str, files: list[Path], text_field: str) -> dict:
+    """What the cache key hashes: any change of file, size or mtime gives a new cache."""
+    stats = [(f.resolve(), f.stat()) for f in files]
+    return {"kind": kind, "text_field": None if kind == "text" else text_field,
+            "files": [{"path": str(p), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns} for p, s in stats]}
+
+
+def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir: str | Path) -> TokenCache:
+    """The token cache of a local source, built first if absent (collective: see harness/token_cache.py)."""
+    def list_units():
+        files = _source_files(Path(path), SOURCE_SUFFIXES[kind])
+        return _source_identity(kind, files, text_field), source_units(kind, files, UNIT_BYTES)
+
+    # A rank that cannot list the files (a path missing on one node) fails every rank instead of hanging them.
+    source, units = token_cache.on_every_rank(list_units, f"listing the {kind} files of {path}")
+    read = functools.partial(read_unit, kind, text_field=text_field)
+    return token_cache.load_or_build(cache_dir, source, units, read, tokenizer)
+
+
+def _hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: int = 1) -> Iterator[str]:
+    """The documents of one DP rank's shard of a streamed Hugging Face dataset (the whole stream for 1 rank)."""
     datasets = _import_optional("datasets", "datasets")
-    try:  # opened here, eagerly, so an unreachable hub fails at build time with the dataset's name
+    try:  # opened here, eagerly, so an unreachable hub fails with the dataset's name
         ds = datasets.load_dataset(name, split="train", streaming=True)
     except Exception as e:
         raise RuntimeError(f"could not open Hugging Face dataset {name!r} (split 'train', streaming): {e}. "
                            f"Check the name and hub access, or use a local jsonl/parquet copy.") from e
+    if dp_world_size > 1:  # whole shards per rank where they divide evenly, else every W-th row: see datasets
+        split = _import_optional("datasets.distributed", "datasets").split_dataset_by_node
+        ds = split(ds, rank=dp_rank, world_size=dp_world_size)
 
     def rows() -> Iterator[str]:
         for i, row in enumerate(ds):
             if text_field not in row:
-                raise ValueError(f"Hugging Face dataset {name!r} row {i}: no field {text_field!r} "
-                                 f"(fields: {', '.join(row)})")
+                raise ValueError(f"Hugging Face dataset {name!r} (dp rank {dp_rank} of {dp_world_size}) row {i}: "
+                                 f"no field {text_field!r} (fields: {', '.join(row)})")
             yield row[text_field]
 
     return rows()
@@ -145,21 +321,110 @@ def _import_optional(module: str, package: str):
 # Packing
 
 
-class PackedDataLoader:
-    """Packs the documents of one DP rank into (batch_size, seq_len) rows; a plain, exactly resumable iterator.
+def packed_row(window: torch.Tensor, starts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One row from a window of L + 1 stream tokens (int64) and its flags (bool): does a document start here?"""
+    L = window.numel() - 1
+    labels = window[1:].clone()
+    labels[starts[1:]] = IGNORE_INDEX  # the next token opens another document
+    row_starts = starts[:-1].clone()
+    row_starts[0] = True  # every row start is a document start for the model
+    idx = torch.arange(L)
+    last_start = torch.where(row_starts, idx, 0).cummax(0).values
+    return {"input_ids": window[:-1], "labels": labels, "position_ids": idx - last_start}
 
-    `documents` opens a fresh pass over the whole source (all ranks' documents) each time it is called; it is
-    called once per epoch and again after `load_state_dict`. With infinite=True an exhausted source starts a
-    new epoch (the token stream carries on across the epoch boundary); otherwise iteration stops, dropping the
-    last partial batch.
+
+def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def _check_shape_args(seq_len: int, batch_size: int, dp_rank: int, dp_world_size: int) -> None:
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world_size={dp_world_size})")
+
+
+class TokenCacheLoader:
+    """The global rows of a token cache, dealt to data-parallel ranks; exactly resumable at any DP degree."""
+
+    def __init__(self, cache: TokenCache, seq_len: int, batch_size: int, dp_rank: int = 0, dp_world_size: int = 1,
+                 infinite: bool = True):
+        _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
+        self.cache, self.seq_len, self.batch_size = cache, seq_len, batch_size
+        self.dp_rank, self.dp_world_size, self.infinite = dp_rank, dp_world_size, infinite
+        self.num_rows = max(len(cache.tokens) - 1, 0) // seq_len  # row k needs tokens up to k*L + L
+        if self.num_rows == 0:
+            raise ValueError(f"dataset cache {cache.folder} holds {len(cache.tokens)} tokens, too few for one row "
+                             f"of seq_len {seq_len} (needs {seq_len + 1}); use more data or a shorter seq_len")
+        self.next_row = 0  # global rows consumed by all DP ranks together: the whole resumable state
+        self._epoch_logged = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.next_row // self.num_rows
+
+    def __iter__(self) -> TokenCacheLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        W, first = self.dp_world_size, self.next_row
+        end = first + W * self.batch_size  # this global micro-batch: rows [first, end) of all ranks
+        if not self.infinite and end > self.num_rows:
+            raise StopIteration
+        rows = [self._row((first + self.dp_rank + j * W) % self.num_rows) for j in range(self.batch_size)]
+        self.next_row = end
+        self._log_new_epoch((end - 1) // self.num_rows)
+        return _stack(rows)
+
+    def _row(self, k: int) -> dict[str, torch.Tensor]:
+        L, lo = self.seq_len, k * self.seq_len
+        window = torch.from_numpy(self.cache.tokens[lo: lo + L + 1].astype(np.int64))
+        first, last = np.searchsorted(self.cache.doc_starts, [lo, lo + L + 1])
+        starts = torch.zeros(L + 1, dtype=torch.bool)
+        starts[torch.from_numpy(self.cache.doc_starts[first:last] - lo)] = True
+        return packed_row(window, starts)
+
+    def _log_new_epoch(self, epoch: int) -> None:
+        if epoch > self._epoch_logged:
+            self._epoch_logged = epoch
+            if self.dp_rank == 0:
+                logger.info(f"data: read all {self.num_rows} rows of dataset cache {self.cache.folder}; epoch "
+                            f"{epoch} starts again at row 0")
+
+    def state_dict(self) -> dict:
+        """Plain ints and strings, the same on every DP rank."""
+        return {"next_row": self.next_row, "seq_len": self.seq_len, "tokenizer_id": self.cache.tokenizer_id,
+                "stream_id": self.cache.stream_id}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if "next_row" not in sd:
+            raise ValueError("data loader state has no 'next_row': it was saved by a loader of a streamed (hf) "
+                             "dataset or by an older version, and cannot resume a local dataset")
+        if sd["seq_len"] != self.seq_len:
+            raise ValueError(f"data loader state was saved with seq_len {sd['seq_len']}, this run has seq_len "
+                             f"{self.seq_len}: rows would not line up; resume with the same training.seq_len")
+        if sd["tokenizer_id"] != self.cache.tokenizer_id:
+            raise ValueError(f"data loader state was saved with another tokenizer (id {sd['tokenizer_id']}, this "
+                             f"run {self.cache.tokenizer_id}, see {self.cache.folder}/meta.json)")
+        if sd["stream_id"] != self.cache.stream_id:
+            raise ValueError(f"data loader state was saved for another dataset (token stream {sd['stream_id']}, "
+                             f"this run {self.cache.stream_id} from {self.cache.folder}): were files added or "
+                             f"changed?")
+        self.next_row = int(sd["next_row"])
+        self._epoch_logged = max(self.next_row - 1, 0) // self.num_rows
+
+
+class StreamPacker:
+    """Packs the documents of one DP rank into rows as they come (hf streams); plain and exactly resumable.
+
+    `documents` opens a fresh pass over this rank's documents each time it is called: once per epoch, and again
+    after `load_state_dict`. With infinite=True an exhausted source starts a new epoch (the token stream carries
+    on across the epoch boundary); otherwise `next_batch` raises StopIteration, dropping the last partial batch.
     """
 
     def __init__(self, documents: Callable[[], Iterable[str]], tokenizer, seq_len: int, batch_size: int,
                  dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True):
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
-        if not 0 <= dp_rank < dp_world_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world_size={dp_world_size})")
+        _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
         self.documents, self.tokenizer = documents, tokenizer
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_world_size, self.infinite = dp_rank, dp_world_size, infinite
@@ -169,12 +434,8 @@ class PackedDataLoader:
         self._starts: list[bool] = []  # per token of _tokens: does a document start there?
         self._docs: Iterator[str] | None = None  # this rank's documents from doc_index on; None = reopen
 
-    def __iter__(self) -> PackedDataLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        rows = [self._next_row() for _ in range(self.batch_size)]  # StopIteration ends a finite loader
-        return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        return _stack([self._next_row() for _ in range(self.batch_size)])  # StopIteration ends a finite packer
 
     def _next_row(self) -> dict[str, torch.Tensor]:
         L = self.seq_len
@@ -183,13 +444,7 @@ class PackedDataLoader:
         window = torch.tensor(self._tokens[: L + 1], dtype=torch.long)
         starts = torch.tensor(self._starts[: L + 1], dtype=torch.bool)
         del self._tokens[:L], self._starts[:L]  # keep the window's last token: it is the next row's first input
-        labels = window[1:].clone()
-        labels[starts[1:]] = IGNORE_INDEX  # the next token opens another document
-        row_starts = starts[:-1].clone()
-        row_starts[0] = True  # every row start is a document start for the model
-        idx = torch.arange(L)
-        last_start = torch.where(row_starts, idx, 0).cummax(0).values
-        return {"input_ids": window[:-1], "labels": labels, "position_ids": idx - last_start}
+        return packed_row(window, starts)
 
     def _append_document(self, text: str) -> None:
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
@@ -201,15 +456,14 @@ class PackedDataLoader:
     def _next_document(self) -> str:
         while True:
             if self._docs is None:  # skip without tokenising: resume costs one read of the skipped documents
-                first = self.dp_rank + self.doc_index * self.dp_world_size
-                self._docs = itertools.islice(iter(self.documents()), first, None, self.dp_world_size)
+                self._docs = itertools.islice(iter(self.documents()), self.doc_index, None)
             doc = next(self._docs, _END)
             if doc is not _END:
                 self.doc_index += 1
                 return doc
             if self.doc_index == 0:
                 raise ValueError(f"data-parallel rank {self.dp_rank} of {self.dp_world_size} got no documents: "
-                                 f"the dataset has fewer documents than data-parallel ranks")
+                                 f"the dataset has fewer documents (or shards) than data-parallel ranks")
             if not self.infinite:
                 raise StopIteration
             self.epoch, self.doc_index, self._docs = self.epoch + 1, 0, None
@@ -218,14 +472,20 @@ class PackedDataLoader:
     def state_dict(self) -> dict:
         """Plain ints and lists (picklable); the token buffer holds at most one row plus one document."""
         return {"epoch": self.epoch, "doc_index": self.doc_index, "dp_rank": self.dp_rank,
-                "dp_world_size": self.dp_world_size, "tokens": list(self._tokens),
+                "dp_world_size": self.dp_world_size, "seq_len": self.seq_len, "tokens": list(self._tokens),
                 "doc_starts": [i for i, s in enumerate(self._starts) if s]}
 
     def load_state_dict(self, sd: dict) -> None:
+        if "doc_index" not in sd:
+            raise ValueError("data loader state has no 'doc_index': it was saved by a loader of a local (cached) "
+                             "dataset and cannot resume a streamed (hf) one")
         if (sd["dp_rank"], sd["dp_world_size"]) != (self.dp_rank, self.dp_world_size):
             raise ValueError(f"data loader state of dp rank {sd['dp_rank']} of {sd['dp_world_size']} cannot "
-                             f"resume dp rank {self.dp_rank} of {self.dp_world_size}: documents are sharded by "
-                             f"rank, so resume with the same data-parallel degree")
+                             f"resume dp rank {self.dp_rank} of {self.dp_world_size}: streamed (hf) datasets are "
+                             f"sharded by rank, so resume with the same data-parallel degree")
+        if sd["seq_len"] != self.seq_len:
+            raise ValueError(f"data loader state was saved with seq_len {sd['seq_len']}, this run has seq_len "
+                             f"{self.seq_len}; resume with the same training.seq_len")
         self.epoch, self.doc_index = sd["epoch"], sd["doc_index"]
         self._tokens = list(sd["tokens"])
         self._starts = [False] * len(self._tokens)
@@ -234,9 +494,107 @@ class PackedDataLoader:
         self._docs = None  # reopened at doc_index on the next read
 
 
+class _Failure(NamedTuple):
+    error: BaseException
+
+
+class PrefetchingLoader:
+    """Runs a packer in a background thread, up to `depth` batches ahead of the consumer.
+
+    The state is that of the batches consumed, not of those prefetched: each batch travels with the packer's
+    state right after it. An exception in the thread is raised by the consumer's `next`. Loading a state stops
+    the thread; the next `next` starts a fresh one.
+    """
+
+    def __init__(self, packer: StreamPacker, depth: int = PREFETCH_BATCHES):
+        self.packer, self.depth = packer, depth
+        self._state = packer.state_dict()  # after the last batch consumed
+        self._queue: queue.Queue | None = None
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._final = None  # _END or _Failure once the thread has stopped for good
+
+    def __iter__(self) -> PrefetchingLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._final is None and self._thread is None:
+            self._start()
+        item = self._final if self._final is not None else self._queue.get()
+        if item is _END or isinstance(item, _Failure):
+            self._final = item
+            if item is _END:
+                raise StopIteration
+            raise item.error
+        batch, self._state = item
+        return batch
+
+    def _start(self) -> None:
+        self._queue, self._stop = queue.Queue(maxsize=self.depth), threading.Event()
+        self._thread = threading.Thread(target=_produce, args=(self.packer, self._queue, self._stop), daemon=True,
+                                        name=f"data-prefetch-dp{self.packer.dp_rank}")
+        weakref.finalize(self, self._stop.set)  # a dropped loader lets its thread end
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread (it ends at its next batch boundary); a later `next` goes on from the last batch
+        consumed, so the prefetched batches are packed again rather than lost."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._queue = self._stop = self._thread = None
+            self.packer.load_state_dict(self._state)
+
+    def state_dict(self) -> dict:
+        return {**self._state, "tokens": list(self._state["tokens"]), "doc_starts": list(self._state["doc_starts"])}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.close()  # the thread owns the packer while it runs
+        self.packer.load_state_dict(sd)
+        self._state, self._final = self.packer.state_dict(), None
+
+
+def _produce(packer: StreamPacker, out: queue.Queue, stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            batch = packer.next_batch()
+            if not _put(out, (batch, packer.state_dict()), stop):
+                return
+    except StopIteration:
+        _put(out, _END, stop)
+    except BaseException as e:  # handed to the consumer, which raises it
+        _put(out, _Failure(e), stop)
+
+
+def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
+    while not stop.is_set():  # a timeout, so that a stopped loader's thread does not block on a full queue
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
 def build_dataloader(kind: str, path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
-                     dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True) -> PackedDataLoader:
-    """The trainer's entry point: a packed, DP-sharded, resumable loader over one source."""
+                     dp_rank: int = 0, dp_world_size: int = 1, cache_dir: str | Path | None = None,
+                     infinite: bool = True) -> TokenCacheLoader | PrefetchingLoader:
+    """The trainer's entry point; collective over the whole world when torch.distributed is initialized.
+
+    Local kinds need `cache_dir` (the trainer passes training.dataset_cache_dir) and give a TokenCacheLoader;
+    "hf" ignores it and gives a PrefetchingLoader over this DP rank's shard."""
     _check_source(kind, path)  # fail at build time, not at the first batch
-    documents = functools.partial(open_documents, kind, path, text_field)
-    return PackedDataLoader(documents, tokenizer, seq_len, batch_size, dp_rank, dp_world_size, infinite)
+    _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
+    if kind == "hf":
+        documents = functools.partial(_hf_documents, path, text_field, dp_rank, dp_world_size)
+        return PrefetchingLoader(StreamPacker(documents, tokenizer, seq_len, batch_size, dp_rank, dp_world_size,
+                                              infinite))
+    if cache_dir is None:
+        raise ValueError(f"a cache_dir is needed for the local {kind} dataset {path}: it is tokenized once into "
+                         f"that folder (the trainer passes training.dataset_cache_dir)")
+    cache = load_token_cache(kind, path, text_field, tokenizer, cache_dir)
+    return TokenCacheLoader(cache, seq_len, batch_size, dp_rank, dp_world_size, infinite)

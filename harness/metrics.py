@@ -82,8 +82,9 @@ class MetricsLogger:
     """Rank 0 writes a console line, one JSON object per logged step to metrics.jsonl, and TensorBoard scalars."""
 
     def __init__(self, dump_folder: str | Path, total_steps: int, enable_tensorboard: bool, tb_folder: str,
-                 enabled: bool = True, append: bool = False):
+                 enabled: bool = True, append: bool = False, job_name: str = ""):
         self.enabled = enabled
+        self.prefix = f"[{job_name}] " if job_name else ""
         self.total_steps = total_steps
         self.start = time.perf_counter()
         self.first_step: int | None = None
@@ -117,7 +118,7 @@ class MetricsLogger:
         eta = elapsed / done * (self.total_steps - step) if done else float("nan")
         mfu = metrics.get("mfu")
         line = (
-            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {metrics['loss']:.4f}  "
+            f"{self.prefix}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {metrics['loss']:.4f}  "
             f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['lr']:.2e}  "
             f"tok/s {metrics['tokens_per_sec']:,.0f}  mfu {'n/a' if mfu is None else f'{mfu:.1%}'}  "
             f"mem {metrics['max_memory_gib']:.2f}GiB  eta {_duration(eta) if done else '?'}"

@@ -23,11 +23,18 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_config_error(err)
 
     rank = int(os.environ.get("RANK", "0"))
+    name = cfg.job.name.replace("%", "%%")  # the format string below is %-style
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="[%(asctime)s rank" + str(rank) + "] %(message)s", datefmt="%H:%M:%S")
+                        format=f"[{name} %(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S")
+    from models.qwen35_moe.gated_delta_rule import FlaBackwardUnavailableError
+
     from .trainer import Trainer, TrainingDivergedError  # heavy imports only once the config is valid
 
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except FlaBackwardUnavailableError as err:  # this machine's kernels, not the config: say what to install
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         trainer.train()
         if cfg.checkpoint.export_hf_at_end:

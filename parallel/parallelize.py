@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from models.qwen35_moe.gated_deltanet import SSMGate
+from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -31,15 +31,16 @@ def apply_compile(model: nn.Module) -> None:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
     """FSDP2 per decoder block plus the root (embedding, final norm, lm_head).
 
-    Contract 1 of DESIGN.md: each layer's SSMGate (`linear_attn._fp32_params`) is its own unit with an
-    fp32 policy, so A_log / dt_bias are all-gathered and used in fp32 even when the rest of the block
-    computes in bf16.
+    The fp32 contract (docs/design.md): each GDN layer's SSMGate (`linear_attn._fp32_params`) and output norm
+    (`linear_attn.norm`) is its own unit with an fp32 policy, so A_log, dt_bias and the norm weight are
+    all-gathered, used and given gradients in fp32 even when the rest of the block computes in bf16.
+    Their inputs are not cast (they upcast internally and return the caller's dtype).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in model.layers.values():
         for module in layer.modules():
-            if isinstance(module, SSMGate):
+            if isinstance(module, Fp32ParamsModule):
                 fully_shard(module, mesh=mesh, mp_policy=fp32)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

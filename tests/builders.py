@@ -7,9 +7,19 @@ from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
 
 def initialized_model(args: Qwen35MoeArgs, seed: int = 0) -> Qwen35MoeModel:
     """An fp32 CPU model with the HF-like init, reproducible from `seed`."""
-    torch.manual_seed(seed)
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
     model.to_empty(device="cpu")
-    model.init_weights()
+    model.init_weights(seed)
     return model
+
+
+# Gradients of the GDN decay parameters sum dg over every token, terms that largely cancel (|sum| << sum of
+# |terms|), so fp32 summation-order noise is amplified there: measured up to 3.6e-5 relative between the same
+# batch run whole and in two halves, where every other parameter stays below 1e-6.
+DECAY_PARAMS = ("A_log", "dt_bias", "in_proj_a.weight")
+
+
+def fp32_grad_tolerance(name: str) -> float:
+    """Relative tolerance for a parameter's gradient between two fp32 CPU runs that sum in different orders."""
+    return 1e-4 if name.endswith(DECAY_PARAMS) else 1e-5

@@ -12,7 +12,7 @@ from torch import nn
 from .args import Qwen35MoeArgs
 from .documents import DocumentLayout
 from .norms import ZeroCenteredRMSNorm
-from .rope import apply_rope
+from .rope import apply_rope, rope_cos_sin
 
 
 @functools.cache
@@ -70,23 +70,17 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, args.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.rotary_dim, self.rope_theta = args.rotary_dim, args.rope_theta
 
-    def init_weights(self, std: float) -> None:
-        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            nn.init.normal_(linear.weight, mean=0.0, std=std)
-            if linear.bias is not None:
-                nn.init.zeros_(linear.bias)
-        self.q_norm.init_weights()
-        self.k_norm.init_weights()
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: DocumentLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, gate = self.q_proj(x).view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(batch, seq, self.num_heads * self.head_dim)
         q = self.q_norm(q)  # (B, S, Hq, D)
         k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
+        # fp32 angles from integer positions, here rather than passed in: FSDP would cast them to bf16.
+        cos, sin = rope_cos_sin(layout.position_ids, self.rotary_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         if layout.is_packed and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_attn()[0]:

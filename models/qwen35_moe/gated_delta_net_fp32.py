@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 HOLDER_NAME = "_fp32_params"
 FP32_GDN_PARAM_NAMES = ("A_log", "dt_bias")
@@ -89,3 +90,19 @@ def upcast_gated_delta_net_fp32_state_tensor(key: str, tensor: torch.Tensor) -> 
     ):
         return tensor.to(torch.float32)
     return tensor
+
+
+class Fp32ParamsModule(nn.Module):
+    """A module whose floating parameters stay fp32 through any `.to(dtype)`, `.half()` or `to_empty()` of the
+    model (all funnel through `_apply`): the device follows, the precision never drops. Used by the SSM
+    gate and the GDN output norm."""
+
+    def _apply(self, fn, recurse=True):
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if not out.is_floating_point() or out.dtype == torch.float32:
+                return out
+            # A dtype conversion: take only its device, from the original values (no rounding trip).
+            return out.float() if t.is_meta or out.is_meta else t.to(device=out.device, dtype=torch.float32)
+
+        return super()._apply(keep_fp32, recurse)

@@ -1,13 +1,12 @@
 """Gated DeltaNet linear attention with its fp32 SSM gate.
 
-Contract (DESIGN.md 1): `A_log` and `dt_bias` live in an `SSMGate` registered as `_fp32_params`, are fp32
-whatever the model dtype, and the decay g = -exp(A_log) * softplus(a + dt_bias) is computed in fp32 in
-`SSMGate.forward`. `layer.A_log` / `layer.dt_bias` stay readable through get-only properties.
+Contract (docs/design.md, fp32 contract): `A_log` and `dt_bias` live in an `SSMGate` registered as
+`_fp32_params`, are fp32 whatever the model dtype, and the decay g = -exp(A_log) * softplus(a + dt_bias) is
+computed in fp32 in `SSMGate.forward`. `layer.A_log` / `layer.dt_bias` stay readable through get-only
+properties. The output norm (`norm.weight`) is fp32 the same way.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -15,36 +14,18 @@ from torch import nn
 
 from .args import Qwen35MoeArgs
 from .causal_conv import causal_conv1d
-from .gated_delta_net_fp32 import HOLDER_NAME
+from .gated_delta_net_fp32 import HOLDER_NAME, Fp32ParamsModule
 from .gated_delta_rule import gated_delta_rule
 from .norms import GatedRMSNorm
 
 
-class SSMGate(nn.Module):
+class SSMGate(Fp32ParamsModule):
     """Per value head decay parameters, kept in fp32 through any `.to(dtype)` of the model."""
 
     def __init__(self, num_heads: int):
         super().__init__()
         self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
-
-    def init_weights(self) -> None:
-        with torch.no_grad():
-            # A ~ U(0.01, 16): the lower bound keeps log(A) finite.
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
-            self.dt_bias.fill_(1.0)
-
-    def _apply(self, fn, recurse=True):
-        # `model.to(torch.bfloat16)`, `.half()`, `to_empty()` all funnel through _apply: let them move
-        # the device but never lower the precision.
-        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            if not out.is_floating_point() or out.dtype == torch.float32:
-                return out
-            # A dtype conversion: take only its device, from the original values (no rounding trip).
-            return out.float() if t.is_meta or out.is_meta else t.to(device=out.device, dtype=torch.float32)
-
-        return super()._apply(keep_fp32, recurse)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         """a (B, T, H) -> g (B, T, H), log decay in fp32."""
@@ -79,15 +60,6 @@ class CPAwareGatedDeltaNet(nn.Module):
 
     A_log = property(lambda self: self._fp32_params.A_log, doc="fp32 A_log of the SSM gate (read-only)")
     dt_bias = property(lambda self: self._fp32_params.dt_bias, doc="fp32 dt_bias of the SSM gate (read-only)")
-
-    def init_weights(self, std: float) -> None:
-        for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.out_proj):
-            nn.init.normal_(linear.weight, mean=0.0, std=std)
-        # PyTorch's Conv1d default (uniform, bound 1/sqrt(W)), as FLA's ShortConvolution.
-        bound = 1.0 / math.sqrt(self.conv1d.weight.shape[-1])
-        nn.init.uniform_(self.conv1d.weight, -bound, bound)
-        self._fp32_params.init_weights()
-        self.norm.init_weights()
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D). `cu_seqlens` over the flattened B * T tokens marks packed documents."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -52,8 +53,9 @@ def save_hf_checkpoint(
     """Write a native state dict as a text-only HF CausalLM folder that transformers loads.
 
     A_log, dt_bias and the GDN output norm are written in fp32, everything else in `dtype`. Files are
-    written to a temporary folder first and renamed into place, so an interrupted export never
-    leaves a half-written folder under the final name.
+    written to a fresh temporary folder (whatever an earlier interrupted export left there is deleted
+    first), the shard index last, everything flushed to disk, then the folder is renamed into place:
+    an interrupted export never leaves a half-written or mixed folder under the final name.
     """
     folder = Path(folder)
     hf = Qwen35MoeStateDictAdapter(args).to_hf(state_dict)
@@ -70,7 +72,9 @@ def save_hf_checkpoint(
     shards.append(current)
 
     tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # an earlier export died here: none of its files may end up in this one
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     dtype_name = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype_name), indent=2) + "\n")
     if len(shards) == 1:
@@ -83,7 +87,8 @@ def save_hf_checkpoint(
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in hf.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")  # last: it names the shards
+    _fsync_folder(tmp)
     if folder.exists():
         backup = folder.with_name(folder.name + ".old")
         if backup.exists():  # left by an export that died between the two renames
@@ -94,6 +99,18 @@ def save_hf_checkpoint(
     else:
         tmp.rename(folder)
     return folder
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush every file of `folder`, then the folder itself, so a rename after this publishes complete files."""
+    for path in folder.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def from_pretrained(

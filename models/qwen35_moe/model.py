@@ -6,7 +6,7 @@ Build it on the meta device, then materialise and initialise it explicitly (read
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
     model.to_empty(device="cpu")
-    model.init_weights()
+    model.init_weights(seed=0)
 """
 
 from __future__ import annotations
@@ -20,15 +20,22 @@ from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, document_layout
 from .gated_deltanet import CPAwareGatedDeltaNet
-from .moe import SparseMoE
+from .init import init_weights
+from .moe import RouterStats, SparseMoE, load_balancing_loss
 from .norms import ZeroCenteredRMSNorm
-from .rope import rope_cos_sin
 
 
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # (B, S, vocab)
-    aux_loss: torch.Tensor  # MoE load-balancing loss averaged over layers (unscaled by its coefficient)
+    # Routing statistics of every MoE layer (counts and probability sums, each (layers, experts)); a trainer
+    # pools them over data-parallel ranks for a balance loss that does not depend on how the batch is split.
+    router_stats: RouterStats
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """MoE load-balancing loss of this forward's tokens, averaged over layers (unscaled by its coefficient)."""
+        return load_balancing_loss(self.router_stats)
 
 
 class DecoderLayer(nn.Module):
@@ -43,26 +50,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = SparseMoE(args)
 
-    def init_weights(self, std: float) -> None:
-        self.input_layernorm.init_weights()
-        self.post_attention_layernorm.init_weights()
-        self.mixer.init_weights(std)
-        self.mlp.init_weights(std)
-
-    @property
-    def mixer(self) -> nn.Module:
-        return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
-
-    def forward(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: DocumentLayout
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, layout: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h (B, S, D) -> h (B, S, D), this layer's expert counts (E,) and router probability sums (E,)."""
         x = self.input_layernorm(h)
         if self.layer_type == FULL_ATTENTION:
-            h = h + self.self_attn(x, rope, layout)
+            h = h + self.self_attn(x, layout)
         else:
             h = h + self.linear_attn(x, layout.cu_seqlens)
-        moe_out, aux = self.mlp(self.post_attention_layernorm(h))
-        return h + moe_out, aux
+        moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
+        return h + moe_out, counts, prob_sums
 
 
 class Qwen35MoeModel(nn.Module):
@@ -77,30 +73,26 @@ class Qwen35MoeModel(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """HF-like init: normal(0, initializer_range) matrices, zero-centred norms at 0, gated norm at 1,
-        A_log = log U(0.01, 16), dt_bias = 1."""
-        std = self.args.initializer_range
-        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=std)
-        for layer in self.layers.values():
-            layer.init_weights(std)
-        self.norm.init_weights()
-        if not self.args.tie_word_embeddings:
-            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+    def init_weights(self, seed: int = 0) -> None:
+        """HF-like init (rules in init.py), drawn per parameter from (seed, name): the same weights for the
+        same seed whether the model is whole or sharded over any mesh."""
+        init_weights(self, seed, self.args.initializer_range)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
-        document per row). Returns logits (B, S, vocab) and the MoE auxiliary loss."""
+        document per row). Returns logits (B, S, vocab) and the MoE routing statistics."""
         batch, seq = input_ids.shape
+        # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
+        # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
         layout = document_layout(position_ids, batch, seq, input_ids.device)
-        rope = rope_cos_sin(layout.position_ids, self.args.rotary_dim, self.args.rope_theta)
 
         h = self.embed_tokens(input_ids)
-        aux_losses = []
+        counts, prob_sums = [], []
         for layer in self.layers.values():
-            h, aux = layer(h, rope, layout)
-            aux_losses.append(aux)
+            h, layer_counts, layer_prob_sums = layer(h, layout)
+            counts.append(layer_counts)
+            prob_sums.append(layer_prob_sums)
         logits = self.lm_head(self.norm(h))
-        aux_loss = torch.stack(aux_losses).mean() if aux_losses else logits.new_zeros((), dtype=torch.float32)
-        return CausalLMOutput(logits=logits, aux_loss=aux_loss)
+        stats = RouterStats(torch.stack(counts), torch.stack(prob_sums), num_tokens=batch * seq,
+                            top_k=self.args.num_experts_per_tok)
+        return CausalLMOutput(logits=logits, router_stats=stats)

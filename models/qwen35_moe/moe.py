@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,10 +19,6 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
-
-    def init_weights(self, std: float) -> None:
-        for linear in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(linear.weight, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -42,17 +40,31 @@ class TopKRouter(nn.Module):
         return probs, weights, ids
 
 
-def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Switch-Transformer balance loss of one layer: E * sum_e f_e * P_e.
+@dataclass
+class RouterStats:
+    """What the balance loss needs from one forward, per MoE layer."""
 
-    f_e = top-k assignments to expert e per token, P_e = mean router probability of e; a uniform
-    router gives top_k. Computed per layer (the model averages over layers), so imbalances of
-    different layers cannot cancel out.
+    counts: torch.Tensor  # (layers, E) fp32, top-k assignments per expert (no gradient)
+    prob_sums: torch.Tensor  # (layers, E) fp32, router probabilities summed over tokens (differentiable)
+    num_tokens: int  # tokens routed by each layer
+    top_k: int
+
+
+def load_balancing_loss(stats: RouterStats, pooled_counts: torch.Tensor | None = None,
+                        pooled_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-Transformer balance loss E * sum_e f_e * P_e of each layer, averaged over layers.
+
+    f_e = top-k assignments to expert e per token, P_e = mean router probability of e; a uniform router
+    gives top_k. Per layer, so imbalances of different layers cannot cancel out. With `pooled_counts` /
+    `pooled_tokens` (the counts and token total summed over data-parallel ranks), the result is this
+    rank's share: f from the pooled batch, P from this rank's tokens over the pooled total, so the
+    shares of all ranks sum to the loss of the pooled batch, whatever its split.
     """
-    counts = torch.zeros(num_experts, device=probs.device, dtype=torch.float32)
-    counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=probs.device, dtype=torch.float32))
-    fraction = counts / probs.shape[0]
-    return num_experts * torch.sum(fraction * probs.mean(dim=0))
+    counts = stats.counts if pooled_counts is None else pooled_counts
+    tokens = stats.num_tokens if pooled_tokens is None else pooled_tokens
+    num_experts = counts.shape[-1]
+    per_layer = num_experts * ((counts / tokens) * (stats.prob_sums / tokens)).sum(-1)
+    return per_layer.mean()
 
 
 class RoutedExperts(nn.Module):
@@ -67,10 +79,6 @@ class RoutedExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
-        nn.init.normal_(self.down_proj, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D)."""
@@ -105,14 +113,8 @@ class SparseMoE(nn.Module):
         self.shared_expert = FeedForward(args.hidden_size, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.gate.weight, mean=0.0, std=std)
-        self.experts.init_weights(std)
-        self.shared_expert.init_weights(std)
-        nn.init.normal_(self.shared_expert_gate.weight, mean=0.0, std=std)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, S, D) -> output (B, S, D), load-balancing loss of this layer (scalar, fp32)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, S, D) -> output (B, S, D), expert counts (E,) and router probability sums (E,), both fp32."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
         probs, weights, ids = self.gate(x)
@@ -127,5 +129,4 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token_of, routed)
 
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        aux = load_balancing_loss(probs, ids, self.num_experts)
-        return (out + shared).reshape(shape), aux
+        return (out + shared).reshape(shape), counts.detach().float(), probs.sum(dim=0)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gated_delta_net_fp32 import Fp32ParamsModule
+
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
@@ -20,23 +22,19 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def init_weights(self) -> None:
-        nn.init.zeros_(self.weight)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (_rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
 
 
-class GatedRMSNorm(nn.Module):
-    """y = norm(x) * w * silu(gate), per head, in fp32. Unlike the residual norms, `w` starts at one."""
+class GatedRMSNorm(Fp32ParamsModule):
+    """y = norm(x) * w * silu(gate), per head, in fp32, cast back to x's dtype. Unlike the residual norms,
+    `w` starts at one. The Gated DeltaNet output norm: its weight is F32 in the official checkpoint and stays
+    fp32 whatever the model dtype (docs/design.md, fp32 contract)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         y = _rms_normalize(x, self.eps) * self.weight.float() * F.silu(gate.float())

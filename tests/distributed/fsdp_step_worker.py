@@ -1,5 +1,6 @@
-"""Worker for test_fsdp: one training step of the debug model on a fixed global batch, then rank 0 saves
-the loss, grad norm and full gradients. Run with torchrun (2 gloo ranks) or as one plain process."""
+"""Worker for test_fsdp: the trainer's first optimizer step of the debug model on the real data pipeline, with
+the MoE balance loss on. Rank 0 saves the initial weights, the step's losses and grad norm and the full gradients.
+Run as one plain process or under torchrun (gloo); extra arguments are config overrides."""
 
 import os
 import sys
@@ -10,36 +11,35 @@ from harness.config import load_config
 from harness.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GLOBAL_BATCH = 4
 
 
-def main(out_path: str, init_hf: str) -> None:
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def main(out_path: str, *overrides: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    replicas = int(dict(zip(overrides[::2], overrides[1::2])).get("--parallelism.data_parallel_replicate_degree", 1))
     cfg = load_config([
         "--config", os.path.join(REPO, "train_configs", "debug_model.toml"),
         "--training.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
-        "--training.seq_len", "64", "--training.local_batch_size", str(4 // world),
-        "--training.aux_loss_coef", "0", "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", os.path.join(os.path.dirname(out_path), f"dump{world}"),
-        "--checkpoint.initial_load_hf", init_hf,  # identical weights whatever the sharding
+        "--training.seq_len", "64", "--training.local_batch_size", str(GLOBAL_BATCH // world),
+        "--training.aux_loss_coef", "0.1",  # on, and large enough to matter in the router gradients
+        "--metrics.enable_tensorboard", "false",
+        "--job.dump_folder", os.path.join(os.path.dirname(out_path), f"dump_{world}_{replicas}"),
+        "--training.dataset_cache_dir", os.path.join(os.path.dirname(out_path), "dataset_cache"),
+        *overrides,
     ])
     trainer = Trainer(cfg)
-    # The same 4 rows for every world size: rank r takes its slice of them.
-    g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 258, (4, 64), generator=g)}
-    batch["labels"] = torch.randint(0, 258, (4, 64), generator=g)
-    batch["labels"][0, :20] = -100  # uneven label counts across ranks
-    batch["position_ids"] = torch.cat((torch.arange(30), torch.arange(34))).expand(4, 64)
-    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
-    out = trainer.train_step([{k: v[rows] for k, v in batch.items()}])
-    grads = {}
-    for name, p in trainer.model.named_parameters():
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name] = grad.detach().clone()
-    if rank == 0:
-        torch.save({"out": out, "grads": grads}, out_path)
+    initial = {name: full(p) for name, p in trainer.model.named_parameters()}
+    batch = next(iter(trainer.dataloader))  # rank r of W: global rows r, r + W, ... of the same 4 rows
+    out = trainer.train_step([batch])
+    grads = {name: full(p.grad) for name, p in trainer.model.named_parameters()}
+    if trainer.rank == 0:
+        torch.save({"out": out, "initial": initial, "grads": grads}, out_path)
     trainer.close()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -1,8 +1,14 @@
-"""FLA's CUDA kernels (behind gated_delta_rule / causal_conv1d) against our torch references in fp32.
+"""FLA's CUDA kernels (behind gated_delta_rule / causal_conv1d) in bf16 against our torch references in fp32
+fed the same bf16-rounded inputs.
 
-Errors are relative in norm, ||fla - ref|| / ||ref||, over a whole tensor. bf16 inputs carry ~4e-3
-relative rounding each and the kernels accumulate in fp32, so bf16 results land near 5e-3 (measured on
-H100); 2e-2 is bf16 level with margin, while a wrong reset, decay or gradient gives O(1)."""
+Errors are relative in norm, ||fla - ref|| / ||ref||, over a whole tensor. bf16 outputs round by ~4e-3 relative
+and FLA keeps some intermediates in bf16, so results land near 5e-3 (measured on H100 / H200); 2e-2 is bf16
+level with margin, while a wrong reset, decay or gradient gives O(1). The per-head self-check that guards
+FLA's Hopper bypass is tested in tests/unit/test_fla_check.py and measured by benchmarks/fla_backward_errors.py.
+
+Only bf16, at the head shapes of tests/gpu/test_model_cuda.py: FLA compiles and autotunes its kernels once per
+shape, dtype and layout (~80-100 s each on a fresh H100 / H200), which bounds what this suite can afford; the
+fp32 FLA path (training with mixed_precision_param = float32) is not covered here."""
 
 import pytest
 import torch
@@ -17,10 +23,9 @@ from models.qwen35_moe.gated_delta_rule import (
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="FLA kernels need a CUDA GPU")
 
-HK, HV, DK, DV = 4, 8, 128, 128
+HK, HV, DK, DV = 2, 4, 128, 128  # as test_model_cuda.ARGS: one set of compiled kernels for the suite
 CU_SEQLENS = [0, 190, 701, 1000]  # three documents, none a multiple of FLA's 64-token chunk
-# fp32 inputs: FLA's tl.dot may round operands to tf32 (10-bit mantissa, ~5e-4), so allow 5e-3.
-REL_TOL = {torch.bfloat16: 2e-2, torch.float32: 5e-3}
+REL_TOL = 2e-2
 
 
 def relative_error(actual, expected):
@@ -42,10 +47,10 @@ def output_and_grads(fn, inputs, do, **kwargs):
     return [o, *torch.autograd.grad(o, inputs, do.to(o.dtype))]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["packed_documents", "batch_of_rows"])
-def test_fla_gated_delta_rule_matches_torch_reference(dtype, layout):
-    enable_fla_hopper_backward(HK, HV, DK, DV, "cuda", dtype=dtype)
+def test_fla_gated_delta_rule_matches_torch_reference(layout):
+    dtype = torch.bfloat16
+    enable_fla_hopper_backward(HK, HV, DK, DV, "cuda")
     if layout == "packed_documents":
         B, T, cu_seqlens = 1, CU_SEQLENS[-1], torch.tensor(CU_SEQLENS, device="cuda")
     else:
@@ -56,11 +61,11 @@ def test_fla_gated_delta_rule_matches_torch_reference(dtype, layout):
     expected = output_and_grads(torch_chunk_gated_delta_rule, [x.float() for x in inputs], do, cu_seqlens=cu_seqlens)
     assert actual[0].dtype == dtype
     errors = {n: relative_error(a, e) for n, a, e in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], actual, expected)}
-    assert max(errors.values()) < REL_TOL[dtype], errors
+    assert max(errors.values()) < REL_TOL, errors
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fla_causal_conv_matches_torch_reference(dtype):
+def test_fla_causal_conv_matches_torch_reference():
+    dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     T, D, W = CU_SEQLENS[-1], 256, 4
     x = torch.randn(1, T, D, generator=gen).to("cuda", dtype)
@@ -71,4 +76,4 @@ def test_fla_causal_conv_matches_torch_reference(dtype):
     expected = output_and_grads(torch_causal_conv1d, [x.float(), weight.float()], do, cu_seqlens=cu_seqlens)
     assert actual[0].dtype == dtype
     errors = {n: relative_error(a, e) for n, a, e in zip(["y", "dx", "dweight"], actual, expected)}
-    assert max(errors.values()) < REL_TOL[dtype], errors
+    assert max(errors.values()) < REL_TOL, errors

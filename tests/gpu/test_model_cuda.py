@@ -4,8 +4,8 @@ path (pure-torch kernels), with the same weights.
 bf16 cannot be compared to fp32 with a fixed tolerance: how far bf16 drifts depends on the model. So the
 bf16 CUDA error is measured against the error of the CPU reference path itself run in bf16; a kernel bug
 shows up as an error well beyond bf16's own. Measured on an H200 (benchmarks/cuda_vs_cpu_precision.py, this model with
-its norms at init): CUDA bf16 3.5e-2 vs CPU bf16 3.9e-2 unpacked, CPU bf16 4.1e-2 packed; CUDA fp32 6.5e-3
-(FLA's matmuls round operands to tf32). This calibrated form of the test has not yet run on a GPU.
+its norms at init): CUDA bf16 3.5e-2 vs CPU bf16 3.9e-2 unpacked, CPU bf16 4.1e-2 packed. bf16 only: each FLA
+dtype costs a compile and autotune of ~80-100 s on a fresh GPU (see test_fla_kernels.py).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ def models():
     return {
         "cpu_fp32": ref,
         "cpu_bf16": copy.deepcopy(ref).to(torch.bfloat16),
-        "cuda_fp32": copy.deepcopy(ref).cuda(),
         "cuda_bf16": copy.deepcopy(ref).to("cuda", torch.bfloat16),
     }
 
@@ -72,12 +71,6 @@ def _logits(model, ids, positions=None):
     device = next(model.parameters()).device
     with torch.no_grad():
         return model(ids.to(device), None if positions is None else positions.to(device)).logits
-
-
-@pytest.mark.parametrize("positions", [None, PACKED_POSITIONS], ids=["one_document_per_row", "packed_rows"])
-def test_cuda_fp32_logits_match_cpu_reference(models, positions):
-    ids = _batch(1)
-    assert _rel(_logits(models["cuda_fp32"], ids, positions), _logits(models["cpu_fp32"], ids, positions)) < 2e-2
 
 
 @pytest.mark.parametrize("positions", [None, PACKED_POSITIONS], ids=["one_document_per_row", "packed_rows"])

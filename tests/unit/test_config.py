@@ -162,7 +162,7 @@ def test_positional_argument_is_rejected():
 
 
 @pytest.mark.parametrize("flag,value", [("activation_checkpoint.mode", "partial"),
-                                        ("model.fla_hopper_backward", "yes"),
+                                        ("model.fla_hopper_backward", "on"),  # only auto / off
                                         ("checkpoint.export_dtype", "fp8"),
                                         ("training.dataset", "csv")])
 def test_value_outside_choices_is_rejected_with_the_choices(flag, value):
@@ -184,6 +184,38 @@ def test_non_positive_lr_is_rejected(lr):
         load_config([f"--optimizer.lr={lr}"])
 
 
+@pytest.mark.parametrize("max_norm", ["0", "-1", "nan"])
+def test_non_positive_max_norm_is_rejected_and_none_disables_clipping(max_norm, toml_file):
+    # 0 used to zero every gradient (clip to norm 0) and a negative value to skip clipping silently.
+    with pytest.raises(ConfigError, match="training.max_norm must be positive, or none"):
+        load_config([f"--training.max_norm={max_norm}"])
+    assert load_config(["--training.max_norm", "none"]).training.max_norm is None
+    assert load_config(["--config", toml_file('[training]\nmax_norm = "none"\n')]).training.max_norm is None
+
+
+def test_warmup_running_into_the_decay_window_is_rejected():
+    # 100 steps, decay over the last 80: decay starts after step 20, so a 50-step warmup would end with the
+    # lr dropping from ~1.0 to the middle of the cosine (0.67) at step 51.
+    flags = ["--training.steps", "100", "--lr_scheduler.decay_ratio", "0.8"]
+    with pytest.raises(ConfigError, match=r"warmup_steps = 50 runs into the decay phase, which starts after step 20"):
+        load_config([*flags, "--lr_scheduler.warmup_steps", "50"])
+    assert load_config([*flags, "--lr_scheduler.warmup_steps", "20"]).lr_scheduler.warmup_steps == 20
+
+
+def test_lr_never_jumps_over_an_accepted_schedule():
+    """Every schedule the config accepts moves the lr by at most one warmup increment or one decay step."""
+    from harness.lr_schedule import lr_factor
+
+    for steps, warmup, ratio in [(100, 20, 0.8), (100, 10, None), (50, 0, 0.5), (30, 29, 0.0), (10, 20, None)]:
+        cfg = load_config(["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup),
+                           "--lr_scheduler.decay_ratio", str(ratio).lower()])
+        s = cfg.lr_scheduler
+        f = [lr_factor(n, steps, s.warmup_steps, s.decay_ratio, "linear", 0.1) for n in range(1, steps + 1)]
+        biggest = max(abs(b - a) for a, b in zip(f, f[1:]))
+        assert biggest <= max(1 / (min(warmup, steps) + 1), 1 / max(1, round(steps * (ratio or 1)))) + 1e-9, (
+            steps, warmup, ratio, biggest)
+
+
 def test_exit_on_config_error_prints_and_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         exit_on_config_error(ConfigError("training.steps must be positive"))
@@ -195,14 +227,14 @@ def test_exit_on_config_error_prints_and_exits_2(capsys):
 
 def test_parallelism_resolves_shard_degree_from_the_world():
     cfg = cfg_with(data_parallel_replicate_degree=2, context_parallel_degree=2)
-    d = validate_parallelism(cfg, world_size=8)
-    assert (d["dp_replicate"], d["dp_shard"], d["cp"], d["ep"]) == (2, 2, 2, 1)
-    assert validate_parallelism(JobConfig(), world_size=1)["dp_shard"] == 1
+    d = validate_parallelism(cfg, world_size=8).dims
+    assert (d.dp_replicate, d.dp_shard, d.cp, d.ep, d.dp) == (2, 2, 2, 1, 4)
+    assert validate_parallelism(JobConfig(), world_size=1).dims.dp_shard == 1
 
 
 def test_parallelism_accepts_expert_parallel_over_shard_and_cp():
     cfg = cfg_with(data_parallel_shard_degree=2, context_parallel_degree=2, expert_parallel_degree=4)
-    assert validate_parallelism(cfg, world_size=4)["ep"] == 4
+    assert validate_parallelism(cfg, world_size=4).dims.ep == 4
 
 
 @pytest.mark.parametrize("degrees,world,match", [
@@ -222,9 +254,9 @@ def test_parallelism_rejects_impossible_layouts(degrees, world, match):
 def test_grad_accumulation_from_global_batch_size():
     cfg = cfg_with(local_batch_size=4, data_parallel_replicate_degree=2)  # dp = 2 * 2 on 4 ranks
     d = validate_parallelism(cfg, world_size=4)
-    assert (d["global_batch_size"], d["grad_accum_steps"]) == (16, 1)
+    assert (d.global_batch_size, d.grad_accum_steps) == (16, 1)
     cfg.training.global_batch_size = 64
-    assert validate_parallelism(cfg, world_size=4)["grad_accum_steps"] == 4
+    assert validate_parallelism(cfg, world_size=4).grad_accum_steps == 4
 
 
 @pytest.mark.parametrize("gbs", [24, 0, -2])

@@ -62,8 +62,16 @@ def test_loss_gradients_match_transformers(hf_pair):
     assert worst < 1e-4
 
 
+def _router_stats(moe, x):
+    from models.qwen35_moe.moe import RouterStats
+
+    _, counts, prob_sums = moe(x.unsqueeze(0))
+    return RouterStats(counts[None], prob_sums[None], num_tokens=x.shape[0], top_k=moe.top_k)
+
+
 def test_aux_loss_matches_transformers_single_layer_formula(hf_pair):
-    """Our per-layer balance loss equals transformers' load_balancing_loss_func on one layer's logits."""
+    """Our per-layer balance loss equals transformers' load_balancing_loss_func on one layer's logits, and
+    the per-rank shares of a batch split in two (pooled counts) sum to transformers' loss of the whole batch."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
 
     from models.qwen35_moe.moe import load_balancing_loss
@@ -71,11 +79,13 @@ def test_aux_loss_matches_transformers_single_layer_formula(hf_pair):
     _, native = hf_pair
     moe = native.layers["0"].mlp
     x = torch.randn(50, TINY_HF_CONFIG["hidden_size"])
-    probs, _, ids = moe.gate(x)
-    ours = load_balancing_loss(probs, ids, moe.num_experts)
-    router_logits = F.linear(x, moe.gate.weight)
-    ref = load_balancing_loss_func((router_logits,), moe.num_experts, moe.top_k)
-    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    ref = load_balancing_loss_func((F.linear(x, moe.gate.weight),), moe.num_experts, moe.top_k)
+    torch.testing.assert_close(load_balancing_loss(_router_stats(moe, x)), ref, rtol=1e-6, atol=1e-7)
+
+    halves = [_router_stats(moe, part) for part in (x[:20], x[20:])]
+    pooled = halves[0].counts + halves[1].counts
+    shares = [load_balancing_loss(s, pooled_counts=pooled, pooled_tokens=50) for s in halves]
+    torch.testing.assert_close(shares[0] + shares[1], ref, rtol=1e-6, atol=1e-7)
 
 
 def test_our_hf_export_loads_in_transformers_with_same_logits(hf_pair, tmp_path, monkeypatch):

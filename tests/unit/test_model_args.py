@@ -32,11 +32,40 @@ def test_flavor_registry_is_not_mutated_by_callers():
     assert qwen35_moe_flavors["debugmodel"].layer_types[0] == "linear_attention"
 
 
-def test_35b_parameter_count_on_meta():
+# The text model's fields of the released Qwen3.5-35B-A3B config.json (its `text_config`).
+OFFICIAL_35B_A3B_TEXT_CONFIG = {
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 248320,
+    "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False, "attention_bias": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+
+def test_35b_flavor_is_the_official_config_and_has_its_exact_parameter_count():
+    """34,660,610,688 text parameters, counted by hand from the official config:
+    embedding + lm_head 2 * 248320 * 2048; final norm 2048; per layer two norms (4096) and the MoE block
+    (router 256*2048, experts 256*(2*512)*2048 + 256*2048*512, shared expert 3*2048*512, its gate 2048);
+    10 attention layers (q 2048*16*256*2, k and v 2048*2*256 each, o 16*256*2048, q/k norms 2*256);
+    30 Gated DeltaNet layers (qkv 2048*8192, z 2048*4096, a and b 2048*32 each, conv 8192*4, A_log and dt_bias
+    32 each, norm 128, out 4096*2048). Dropping any component (e.g. the shared experts, 123M) changes it."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    assert get_flavor("35B-A3B") == Qwen35MoeArgs.from_hf_config(OFFICIAL_35B_A3B_TEXT_CONFIG)
+    moe = 256 * 2048 + 256 * 1024 * 2048 + 256 * 2048 * 512 + 3 * 2048 * 512 + 2048
+    attention = 2048 * 8192 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 256
+    gdn = 2048 * 8192 + 2048 * 4096 + 2 * 2048 * 32 + 8192 * 4 + 2 * 32 + 128 + 4096 * 2048
+    by_hand = 2 * 248320 * 2048 + 2048 + 40 * (4096 + moe) + 10 * attention + 30 * gdn
+    assert by_hand == 34_660_610_688
+
     with torch.device("meta"):
-        model = Qwen35MoeModel(get_flavor("35B-A3B"))
-    total = sum(p.numel() for p in model.parameters())
-    assert 34e9 < total < 36e9, total
+        ours = Qwen35MoeModel(get_flavor("35B-A3B"))
+        theirs = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**OFFICIAL_35B_A3B_TEXT_CONFIG))
+    assert sum(p.numel() for p in ours.parameters()) == by_hand
+    assert sum(p.numel() for p in theirs.parameters()) == by_hand
 
 
 def test_text_only_and_multimodal_configs_give_the_same_args():

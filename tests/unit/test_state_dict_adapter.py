@@ -177,3 +177,38 @@ def test_failed_export_keeps_existing_folder(tmp_path):
         save_hf_checkpoint(broken, ARGS, tmp_path / "hf")
     after = load_hf_state_dict(tmp_path / "hf")
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_export_ignores_leftovers_of_an_interrupted_export(tmp_path):
+    """A `<folder>.tmp` left by an export that died mid-way (stale shards and index) must not leak into the
+    next export: the folder holds exactly the new files and loads the new weights."""
+    stale = _native_model(seed=1).state_dict()
+    save_hf_checkpoint(stale, ARGS, tmp_path / "hf.tmp", dtype=torch.float32, max_shard_bytes=20_000)
+    assert (tmp_path / "hf.tmp" / "model.safetensors.index.json").is_file()  # the stale, sharded leftover
+
+    fresh = _native_model(seed=2).state_dict()
+    save_hf_checkpoint(fresh, ARGS, tmp_path / "hf", dtype=torch.float32)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert not (tmp_path / "hf.tmp").exists()
+    loaded = from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in fresh.items())
+
+
+def test_gdn_output_norm_stays_fp32_and_round_trips_exactly_through_bf16_model(tmp_path):
+    """linear_attn.norm.weight is F32 in the official checkpoint: a bf16 model keeps it fp32 in memory and
+    re-exports the exact values (a bf16 round trip changed it by up to 3.5e-3 relative before)."""
+    model = _native_model()
+    with torch.no_grad():
+        for layer in model.layers.values():
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.norm.weight.add_(torch.randn_like(layer.linear_attn.norm.weight) * 0.1)
+    save_hf_checkpoint(model.state_dict(), ARGS, tmp_path / "a", dtype=torch.bfloat16)
+    bf16 = from_pretrained(tmp_path / "a", dtype=torch.bfloat16)
+    assert bf16.layers["0"].linear_attn.norm.weight.dtype == torch.float32
+    assert bf16.layers["0"].linear_attn.in_proj_qkv.weight.dtype == torch.bfloat16
+    save_hf_checkpoint(bf16.state_dict(), ARGS, tmp_path / "b", dtype=torch.bfloat16)
+    a, b = load_hf_state_dict(tmp_path / "a"), load_hf_state_dict(tmp_path / "b")
+    norms = [k for k in a if k.endswith("linear_attn.norm.weight")]
+    assert norms and all(b[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in norms)
+    want = model.state_dict()
+    assert all(torch.equal(b[k], want[k.removeprefix("model.")]) for k in norms)  # the trained fp32 values

@@ -1,0 +1,32 @@
+"""Weights in and out of a run in the Hugging Face layout: initial load of an HF folder, export at the end."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter, load_hf_state_dict, save_hf_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
+    """Set the (possibly sharded) model's weights from an HF checkpoint folder; every rank reads it."""
+    native = Qwen35MoeStateDictAdapter(args).from_hf(load_hf_state_dict(path))
+    set_model_state_dict(model, native, options=StateDictOptions(full_state_dict=True, strict=True))
+    logger.info("initialised weights from HF checkpoint %s", path)
+
+
+def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, rank: int) -> None:
+    """Write the model's weights as a Hugging Face folder; every rank helps gather, rank 0 writes."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        save_hf_checkpoint(state, args, folder, dtype=dtype)
+        logger.info("exported Hugging Face checkpoint to %s", os.path.abspath(folder))
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,47 @@
+"""The training loss: token-mean cross entropy over the global batch plus the MoE balance loss.
+
+Every rank computes its share of the global loss, so the shares sum (over ranks and micro-batches) to the loss
+of the whole global batch, and the gradient of the global loss is the sum of the ranks' gradients. FSDP
+averages gradients over its ranks instead, so the trainer backpropagates share * FSDP degree. Then the global
+batch gives the same loss and gradients however it is split over data-parallel ranks (and micro-batches, for
+the cross entropy):
+- cross entropy: summed over this micro-batch's label tokens, divided by the label tokens of the global batch;
+- balance loss: per micro-batch, routing counts pooled over all ranks (one all-reduce of (layers, experts)
+  counts), each rank contributing its own tokens' router probabilities (see `load_balancing_loss`); averaged
+  over the micro-batches of a step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.qwen35_moe.moe import RouterStats, load_balancing_loss
+
+from .data import IGNORE_INDEX
+
+
+def global_label_tokens(microbatches: list[dict[str, torch.Tensor]], device: torch.device,
+                        distributed: bool) -> torch.Tensor:
+    """Label tokens of the whole global batch (all micro-batches, all ranks), fp32, at least 1."""
+    count = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).to(device, torch.float32)
+    if distributed:
+        dist.all_reduce(count)
+    return count.clamp_min(1)
+
+
+def cross_entropy_share(logits: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's summed token cross entropy over the global label-token count (fp32 logits)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum") / global_tokens
+
+
+def balance_loss_share(stats: RouterStats, distributed: bool) -> torch.Tensor:
+    """This rank's share of the balance loss of the micro-batch pooled over all ranks."""
+    if not distributed:
+        return load_balancing_loss(stats)
+    counts = stats.counts.clone()
+    dist.all_reduce(counts)
+    # Every rank routes the same number of tokens per micro-batch (fixed local batch and sequence length).
+    return load_balancing_loss(stats, pooled_counts=counts, pooled_tokens=stats.num_tokens * dist.get_world_size())

@@ -1,0 +1,54 @@
+"""The model of a run: its shape from the config, then built on meta, parallelized, materialised and filled.
+
+Order: model on the meta device -> FLA kernel check (CUDA) -> parallelize (AC, compile, FSDP) -> materialise on
+the device -> initial weights from the seed (the same at any world size) or from an HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
+from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward
+from parallel.parallelize import parallelize_qwen35_moe
+
+from .checkpoint import load_hf_weights
+from .config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model_args(cfg: JobConfig, vocab_size: int) -> Qwen35MoeArgs:
+    args = Qwen35MoeArgs.from_hf_config(cfg.model.hf_config) if cfg.model.hf_config else get_flavor(cfg.model.flavor)
+    if vocab_size > args.vocab_size:
+        raise ValueError(
+            f"tokenizer has {vocab_size} tokens but model flavor {cfg.model.flavor!r} has vocab_size "
+            f"{args.vocab_size}; pick a matching tokenizer or model")
+    return args
+
+
+def build_model(cfg: JobConfig, args: Qwen35MoeArgs, mesh: DeviceMesh | None, device: torch.device) -> Qwen35MoeModel:
+    with torch.device("meta"):
+        model = Qwen35MoeModel(args)
+    if device.type == "cuda" and cfg.model.fla_hopper_backward == "auto":
+        enable_fla_hopper_backward(args.linear_num_key_heads, args.linear_num_value_heads,
+                                   args.linear_key_head_dim, args.linear_value_head_dim, device)
+    elif device.type == "cuda":
+        refuse_fla_hopper_backward()
+    # CPU runs compute in fp32: bf16 matmuls are slow there and the debug model is tiny.
+    param_dtype = DTYPES[cfg.training.mixed_precision_param] if device.type == "cuda" else torch.float32
+    parallelize_qwen35_moe(model, mesh, param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+                           ac_mode=cfg.activation_checkpoint.mode, compile=cfg.compile.enable)
+    model.to_empty(device=device)
+    model.init_weights(cfg.training.seed)
+    if cfg.checkpoint.initial_load_hf:
+        load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
+    shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
+    logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
+                "FSDP" if mesh is not None else "single process", device)
+    return model

@@ -1,0 +1,20 @@
+"""The optimizer of a run (AdamW or Adam) with its parameter groups."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import Optimizer as OptimizerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    # No weight decay on 1-D parameters (norm scales, A_log, dt_bias): decaying them pulls the norms
+    # and the SSM decay rates toward zero rather than regularising anything.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    # Adam applies weight_decay as an L2 term in the gradient, AdamW decoupled from it.
+    cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)

@@ -1,0 +1,72 @@
+"""Initial weights that depend on the seed and the parameter's name only, never on how the model is sharded.
+
+Each parameter is drawn from its own generator, seeded from (seed, parameter name), as one full tensor on the
+parameter's device; a sharded parameter (a DTensor, e.g. under FSDP2) then keeps its own slice of it. One
+process and any number of ranks, whatever the mesh, therefore start from the same weights (on one device
+type: CPU and CUDA generators draw different numbers). The price is one full parameter of temporary memory
+at a time (2 GiB for the largest, the 35B-A3B embedding, in fp32).
+
+The rules, by parameter (HF-like, as transformers initialises Qwen3.5-MoE):
+  A_log                     log U(0.01, 16)      (decay rates A ~ U(0.01, 16); the bound keeps log(A) finite)
+  dt_bias                   1
+  linear_attn.norm.weight   1                    (gated RMSNorm scale)
+  other *norm.weight        0                    (zero-centred RMSNorms: scale 1 + w)
+  conv1d.weight             U(-1/sqrt(W), 1/sqrt(W))  (PyTorch's Conv1d default, as FLA's ShortConvolution)
+  *.bias                    0
+  everything else           N(0, initializer_range)   (projections, experts, router, embedding, lm_head)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Wrappers that insert a level into parameter names but not into state-dict keys.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """The state-dict key of a parameter name (activation checkpointing and compile wrappers removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    # A digest of both, stable across processes (hash() of a str is salted per process); every bit depends on
+    # both, since the CPU generator (mt19937) only uses the low 32 bits of its seed.
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def initial_value(name: str, shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
+    """The full initial fp32 tensor of parameter `name` (a state-dict key) drawn from `generator`."""
+    device = generator.device
+    full = torch.empty(shape, dtype=torch.float32, device=device)
+    if name.endswith("A_log"):
+        return full.uniform_(0.01, 16, generator=generator).log_()
+    if name.endswith(("dt_bias", "linear_attn.norm.weight")):
+        return full.fill_(1.0)
+    if name.endswith(("norm.weight", ".bias")):
+        return full.zero_()
+    if name.endswith("conv1d.weight"):
+        bound = 1.0 / math.sqrt(shape[-1])
+        return full.uniform_(-bound, bound, generator=generator)
+    return full.normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float) -> None:
+    """Initialise every parameter of `model` in place; the same values at any world size and mesh."""
+    for raw_name, param in model.named_parameters():
+        name = canonical_name(raw_name)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        full = initial_value(name, param.shape, std, _generator(seed, name, local.device))
+        if isinstance(param, DTensor):
+            # src_data_rank=None: slice locally, no communication (every rank drew the same full tensor).
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        local.copy_(full)

@@ -1,0 +1,64 @@
+"""The token cache built by 2 CPU ranks (gloo): shared work, the same bytes as one process, errors on every rank."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import harness.data
+from harness.data import build_dataloader, source_units
+from harness.tokenizer import ByteTokenizer
+from tests.unit.test_data import expected_rows, random_documents, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = str(REPO / "tests" / "distributed" / "data_ranks_worker.py")
+UNIT_BYTES = 200  # about 7 lines of the test file: 20-odd units
+
+
+def run_two_ranks(tmp_path: Path, dataset: Path, cache_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=localhost:0", WORKER, str(dataset), str(cache_dir), str(tmp_path), str(UNIT_BYTES)]
+    # A rank left waiting at a collective would hang for gloo's 30 minutes: the timeout turns that into a failure.
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units(tmp_path, monkeypatch):
+    docs = random_documents(150, seed=11)
+    dataset = write_jsonl(tmp_path / "d.jsonl", docs)
+    result = run_two_ranks(tmp_path, dataset, tmp_path / "two")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    units = [[u.start, u.stop] for u in source_units("jsonl", [dataset], UNIT_BYTES)]
+    assert len(units) > 10
+    assert ranks[0]["units"] == units[0::2] and ranks[1]["units"] == units[1::2]  # each parsed its own units only
+
+    monkeypatch.setattr(harness.data, "UNIT_BYTES", UNIT_BYTES)
+    single = build_dataloader("jsonl", str(dataset), "text", ByteTokenizer(), 16, 4, cache_dir=tmp_path / "one")
+    two_folder = Path(ranks[0]["cache"])
+    assert ranks[1]["cache"] == str(two_folder) and two_folder.name == single.cache.folder.name
+    files = sorted(p.name for p in single.cache.folder.iterdir())
+    assert sorted(p.name for p in two_folder.iterdir()) == files
+    for name in files:
+        assert (two_folder / name).read_bytes() == (single.cache.folder / name).read_bytes(), name
+
+    want = [row["input_ids"] for row in expected_rows(docs, ByteTokenizer(), 16)]
+    assert ranks[0]["rows"] == [want[0], want[2]] and ranks[1]["rows"] == [want[1], want[3]]  # global rows dealt
+
+
+def test_a_bad_line_in_a_unit_of_rank_one_fails_both_ranks_with_its_file_and_line(tmp_path):
+    lines = [json.dumps({"text": doc}) for doc in random_documents(100, seed=12)]
+    starts = [sum(len(line) + 1 for line in lines[:i]) for i in range(len(lines))]
+    bad = next(i for i, start in enumerate(starts) if start >= 3 * UNIT_BYTES)  # opens unit 3: rank 1's
+    lines[bad] = '{"text": "cut short'
+    dataset = tmp_path / "bad.jsonl"
+    dataset.write_text("\n".join(lines) + "\n")
+    result = run_two_ranks(tmp_path, dataset, tmp_path / "cache")
+    assert result.returncode != 0
+    where = f"bad.jsonl:{bad + 1}: not a JSON object"
+    assert where in (tmp_path / "rank1.error").read_text()
+    assert "failed on rank 1" in (tmp_path / "rank0.error").read_text()
+    assert where in (tmp_path / "rank0.error").read_text()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # no cache, no temporary folder
