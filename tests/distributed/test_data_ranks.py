@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import harness.data
-from harness.data import build_dataloader, source_units
+from harness.data import build_dataloader
+from harness.data_sources import source_units
 from harness.tokenizer import ByteTokenizer
 from tests.unit.test_data import expected_rows, random_documents, write_jsonl
 

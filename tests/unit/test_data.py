@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.data import (IGNORE_INDEX, PrefetchingLoader, StreamPacker, build_dataloader, open_documents,
-                          read_unit, source_units)
+from harness.data import IGNORE_INDEX, PrefetchingLoader, StreamPacker, build_dataloader
+from harness.data_sources import open_documents, read_unit, source_units
 from harness.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import harness.data
-from harness.data import build_dataloader, source_units
+from harness.data import build_dataloader
+from harness.data_sources import source_units
 from harness.token_cache import META_FILE, STARTS_FILE, TOKENS_FILE, publish, tokenizer_identity
 from harness.tokenizer import ByteTokenizer, HFTokenizer
 from tests.unit.test_data import (NoSpecialsTokenizer, expected_stream, make_word_level_tokenizer, random_documents,
