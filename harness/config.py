@@ -4,13 +4,20 @@
     layout = validate_parallelism(cfg, world_size)  # parallel degrees, global batch, accumulation
 
 Sections and keys follow torchtitan's JobConfig names where an equivalent exists. Each section is a
-plain dataclass; its field comments are the documentation. Field types drive parsing: `Literal[...]`
-fields are choices, `float | None` accepts "none", `list[float]` accepts "0.9,0.95" on the CLI.
+plain dataclass; its field comments are the documentation (`--help` prints them). Field types drive parsing:
+`Literal[...]` fields are choices, `float | None` accepts "none", `list[float]` accepts "0.9,0.95" on the CLI.
 Entry points catch `ConfigError` and call `exit_on_config_error(err)` (prints `error: ...`, exits 2).
+
+Relative paths: the input paths of INPUT_PATH_KEYS written in a config file are relative to that file's folder
+(a config travels with its data); on the command line, and for outputs (job.dump_folder,
+training.dataset_cache_dir), they are relative to the current directory. `to_toml` writes a loaded config back,
+every path absolute, so `--config <dump_folder>/config.toml` repeats a run from anywhere.
 """
 
 import dataclasses
 import difflib
+import json
+import os
 import sys
 import tomllib
 import types
@@ -27,13 +34,13 @@ class ConfigError(ValueError):
 @dataclass
 class Job:
     name: str = "qwen35_moe"  # run name: prefixes every log line and console metrics line
-    dump_folder: str = "./outputs"  # metrics, tensorboard, checkpoints and HF export go under here
-    description: str = ""
+    dump_folder: str = "./outputs"  # metrics, tensorboard, checkpoints and HF export go under here (relative: to the current directory)
+    description: str = ""  # free text, kept in the saved config.toml
 
 
 @dataclass
 class Model:
-    name: str = "qwen35_moe"
+    name: str = "qwen35_moe"  # the model family (this harness trains one)
     flavor: str = "debugmodel"  # a named model shape from models/qwen35_moe flavors
     # Optional path to a transformers config.json (or its folder); overrides the flavor's shape.
     hf_config: str = ""
@@ -53,11 +60,11 @@ class Training:
     # A larger value (a multiple of that) means gradient accumulation.
     global_batch_size: int = -1
     max_norm: float | None = 1.0  # gradient-norm clipping threshold (> 0); none = no clipping (norm still logged)
-    seed: int = 42
+    seed: int = 42  # initial weights and any sampling; the same weights at every world size
     deterministic: bool = False  # deterministic algorithms (slower)
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"  # FSDP param/compute dtype
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"  # FSDP gradient reduce dtype
-    dataset: Literal["text", "jsonl", "parquet", "hf"] = "text"
+    dataset: Literal["text", "jsonl", "parquet", "hf"] = "text"  # kind of source (see harness/data_sources.py)
     dataset_path: str = ""  # file, folder or HF dataset name, depending on `dataset`
     dataset_text_field: str = "text"  # field holding the text in jsonl / parquet / hf records
     # Tokenized cache of a local dataset (built once per dataset and tokenizer, then memory-mapped);
@@ -67,11 +74,21 @@ class Training:
 
 
 @dataclass
+class Validation:
+    enable: bool = False  # held-out loss every `freq` steps and at the last step
+    dataset: Literal["text", "jsonl", "parquet", "hf"] = "jsonl"  # kind of the held-out source
+    dataset_path: str = ""  # file, folder or HF dataset name, depending on `dataset`
+    dataset_text_field: str = "text"  # field holding the text in jsonl / parquet / hf records
+    freq: int = 100  # validate every N training steps (and after the last one)
+    steps: int = 10  # micro-batches per validation (training's local_batch_size and seq_len); -1 = the whole set
+
+
+@dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
+    name: Literal["AdamW", "Adam"] = "AdamW"  # AdamW decouples weight decay; Adam applies it as L2
     lr: float = 8e-4  # peak learning rate
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    eps: float = 1e-8  # Adam's epsilon
+    weight_decay: float = 0.1  # on matrices only, never on 1-D parameters (norms, A_log, dt_bias)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # CLI: "0.9,0.95"
 
 
@@ -88,7 +105,7 @@ class LRScheduler:
 @dataclass
 class Metrics:
     log_freq: int = 1  # log every N steps
-    enable_tensorboard: bool = True
+    enable_tensorboard: bool = True  # events under <dump_folder>/<save_tb_folder>/<run start time>
     save_tb_folder: str = "tb"  # under dump_folder
 
 
@@ -102,20 +119,20 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable: bool = False
+    enable: bool = False  # DCP checkpoints and resume (not available in this build yet)
     folder: str = "checkpoint"  # under dump_folder; DCP steps saved as step-N/
     interval: int = 500  # save every N steps (and at the last step)
     keep_latest_k: int = 2  # older step folders are deleted; 0 = keep all
-    async_mode: Literal["disabled", "async"] = "disabled"
+    async_mode: Literal["disabled", "async"] = "disabled"  # "async": overlap the checkpoint write with training
     export_hf_at_end: bool = False  # write a Hugging Face folder to <dump_folder>/hf at the end
-    export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # A_log, dt_bias, GDN norm: always F32
     initial_load_hf: str = ""  # HF checkpoint folder to initialise weights from (when none to resume)
     load_step: int = -1  # step to resume from; -1 = latest
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
+    mode: Literal["none", "full", "selective"] = "none"  # recompute every block ("full") or every second one
 
 
 @dataclass
@@ -131,6 +148,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
@@ -142,6 +160,11 @@ class JobConfig:
 
 # section name -> {key: type hint}
 _SCHEMA = {f.name: get_type_hints(f.default_factory) for f in dataclasses.fields(JobConfig)}
+# Paths the run reads. In a config file a relative one is relative to the file's folder (dataset paths only
+# for local kinds: for "hf" it is a dataset name).
+INPUT_PATH_KEYS = ("model.hf_config", "model.tokenizer_path", "training.dataset_path", "validation.dataset_path",
+                   "checkpoint.initial_load_hf")
+OUTPUT_PATH_KEYS = ("job.dump_folder", "training.dataset_cache_dir")
 _ALL_KEYS = [f"{s}.{k}" for s, keys in _SCHEMA.items() for k in keys]
 _TRUE, _FALSE, _NONE = {"true", "1", "yes"}, {"false", "0", "no"}, {"none", "null"}
 
@@ -210,7 +233,8 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, sou
     setattr(getattr(cfg, section), key, parsed)
 
 
-def _apply_file(cfg: JobConfig, path: str) -> None:
+def _apply_file(cfg: JobConfig, path: str) -> dict[str, str]:
+    """Set the file's values on `cfg`; returns the input paths it set, {key: value}, for `_resolve_file_paths`."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -233,6 +257,22 @@ def _apply_file(cfg: JobConfig, path: str) -> None:
                 hint = _did_you_mean(f"{section}.{key}", _ALL_KEYS)
                 raise ConfigError(f"{path}: unknown key {section}.{key}{hint}")
             _set(cfg, section, key, value, from_cli=False, source=path)
+    return {k: _get(cfg, k) for k in INPUT_PATH_KEYS if k.split(".")[1] in data.get(k.split(".")[0], {})}
+
+
+def _get(cfg: JobConfig, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _resolve_file_paths(cfg: JobConfig, config_path: str, file_paths: dict[str, str]) -> None:
+    """Relative input paths that came from the file (and were not overridden) become relative to its folder."""
+    folder = os.path.dirname(os.path.abspath(config_path))
+    for key, value in file_paths.items():
+        section, name = key.split(".")
+        is_hf_name = name == "dataset_path" and getattr(cfg, section).dataset == "hf"
+        if _get(cfg, key) == value and value and not os.path.isabs(value) and not is_hf_name:
+            setattr(getattr(cfg, section), name, os.path.normpath(os.path.join(folder, value)))
 
 
 def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -260,7 +300,7 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
 
 def _check_values(cfg: JobConfig) -> None:
     positive = ["training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
-                "checkpoint.interval"]
+                "checkpoint.interval", "validation.freq"]
     for key in positive:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) <= 0:
@@ -285,6 +325,8 @@ def _check_values(cfg: JobConfig) -> None:
                 f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
                 f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps or "
                 f"decay_ratio")
+    if cfg.validation.steps == 0 or cfg.validation.steps < -1:
+        raise ConfigError(f"validation.steps must be positive or -1 (the whole set), got {cfg.validation.steps}")
     factor = cfg.lr_scheduler.min_lr_factor
     if not 0 <= factor <= 1:
         raise ConfigError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {factor}")
@@ -294,13 +336,42 @@ def load_config(argv: list[str]) -> JobConfig:
     """Defaults, then the `--config` TOML file, then `--section.key` overrides; validated."""
     config_path, overrides = _parse_argv(argv)
     cfg = JobConfig()
-    if config_path is not None:
-        _apply_file(cfg, config_path)
+    file_paths = _apply_file(cfg, config_path) if config_path is not None else {}
     for name, value in overrides:
         section, key = name.split(".")
         _set(cfg, section, key, value, from_cli=True, source="command line")
+    if config_path is not None:
+        _resolve_file_paths(cfg, config_path, file_paths)
     _check_values(cfg)
     return cfg
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """`cfg` as a TOML file that `load_config(["--config", file])` reads back to an equal config (paths made
+    absolute against the current directory, so the file works from any folder)."""
+    lines = []
+    for section, keys in _SCHEMA.items():
+        lines.append(f"[{section}]")
+        for key in keys:
+            value = _get(cfg, f"{section}.{key}")
+            if f"{section}.{key}" in INPUT_PATH_KEYS + OUTPUT_PATH_KEYS and value:
+                is_hf_name = key == "dataset_path" and getattr(cfg, section).dataset == "hf"
+                value = value if is_hf_name else os.path.abspath(value)
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return '"none"'  # TOML has no null; optional numbers read "none" back as None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # a TOML basic string: JSON's escapes are valid TOML
 
 
 @dataclass(frozen=True)

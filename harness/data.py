@@ -154,7 +154,7 @@ class TokenCacheLoader:
     def _log_new_epoch(self, epoch: int) -> None:
         if epoch > self._epoch_logged:
             self._epoch_logged = epoch
-            if self.dp_rank == 0:
+            if self.dp_rank == 0 and epoch & (epoch - 1) == 0:  # epochs 1, 2, 4, 8, ...: a tiny set stays quiet
                 logger.info(f"data: read all {self.num_rows} rows of dataset cache {self.cache.folder}; epoch "
                             f"{epoch} starts again at row 0")
 
@@ -234,7 +234,8 @@ class StreamPacker:
             if not self.infinite:
                 raise StopIteration
             self.epoch, self.doc_index, self._docs = self.epoch + 1, 0, None
-            logger.info(f"data: dp rank {self.dp_rank} finished the dataset, starting epoch {self.epoch}")
+            if self.dp_rank == 0 and self.epoch & (self.epoch - 1) == 0:  # epochs 1, 2, 4, 8, ...
+                logger.info(f"data: dp rank 0 finished its shard of the dataset, starting epoch {self.epoch}")
 
     def state_dict(self) -> dict:
         """Plain ints and lists (picklable); the token buffer holds at most one row plus one document."""

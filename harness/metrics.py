@@ -79,7 +79,11 @@ def _duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Rank 0 writes a console line, one JSON object per logged step to metrics.jsonl, and TensorBoard scalars."""
+    """Rank 0 writes a console line, one JSON object per logged step to metrics.jsonl, and TensorBoard scalars.
+
+    TensorBoard events of each run go to their own sub-folder, <tb_folder>/<run start time>, so a fresh run in a
+    folder that holds an earlier run's events shows as another run instead of mixing into its curves.
+    """
 
     def __init__(self, dump_folder: str | Path, total_steps: int, enable_tensorboard: bool, tb_folder: str,
                  enabled: bool = True, append: bool = False, job_name: str = ""):
@@ -90,6 +94,7 @@ class MetricsLogger:
         self.first_step: int | None = None
         self.writer = None
         self.jsonl = None
+        self.tb_dir: Path | None = None
         if not enabled:
             return
         folder = Path(dump_folder)
@@ -99,7 +104,8 @@ class MetricsLogger:
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(folder / tb_folder))
+            self.tb_dir = folder / tb_folder / time.strftime("%Y%m%d-%H%M%S")
+            self.writer = SummaryWriter(log_dir=str(self.tb_dir))
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         if not self.enabled:
@@ -124,6 +130,16 @@ class MetricsLogger:
             f"mem {metrics['max_memory_gib']:.2f}GiB  eta {_duration(eta) if done else '?'}"
         )
         print(line, file=sys.stdout, flush=True)
+
+    def log_validation(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            self.writer.add_scalar("val_loss", metrics["val_loss"], step)
+        print(f"{self.prefix}validation at step {step}: loss {metrics['val_loss']:.4f} over "
+              f"{metrics['val_tokens']:,} tokens", file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self.jsonl is not None:

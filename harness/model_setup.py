@@ -12,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
-from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward
+from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
 from parallel.parallelize import parallelize_qwen35_moe
 
 from .checkpoint import load_hf_weights
@@ -35,6 +35,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int) -> Qwen35MoeArgs:
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, mesh: DeviceMesh | None, device: torch.device) -> Qwen35MoeModel:
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
+    if device.type == "cuda":
+        require_fla()
     if device.type == "cuda" and cfg.model.fla_hopper_backward == "auto":
         enable_fla_hopper_backward(args.linear_num_key_heads, args.linear_num_value_heads,
                                    args.linear_key_head_dim, args.linear_value_head_dim, device)

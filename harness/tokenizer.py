@@ -1,13 +1,33 @@
 """Tokenizers: a built-in byte-level one for the embedded default, and local Hugging Face folders.
 
-Both expose `vocab_size`, `bos_id`, `eos_id` (int or None), `encode(text) -> list[int]` (no special tokens)
-and `decode(ids) -> str`.
+Both expose `vocab_size`, `bos_id`, `eos_id` (int or None), `encode(text) -> list[int]` (no special tokens),
+`decode(ids) -> str` and `save_pretrained(folder)`, which writes the tokenizer files into a Hugging Face export
+for `transformers.AutoTokenizer.from_pretrained(folder)` (each method says what ids that gives).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+# The files of a Hugging Face tokenizer folder besides tokenizer.json that an export carries over; weights,
+# config.json and custom Python code are not among them.
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
+BYTE_BOS, BYTE_EOS = "<|bos|>", "<|eos|>"  # the names of ByteTokenizer's ids 256 and 257 in its export
 
 
 class ByteTokenizer:
@@ -23,6 +43,51 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         # A window may cut a multi-byte character in half; "replace" keeps decoding total.
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write tokenizer.json + tokenizer_config.json: this tokenizer for `transformers`.
+
+        tokenizer.json: the ByteLevel pre-tokenizer (no regex split, no prefix space) shows each UTF-8 byte of
+        the text as one printable character, and a BPE model without merges maps that character to the byte's
+        value; BOS and EOS are added tokens at 256 and 257. Encoding with specials (transformers' default)
+        prepends BOS, as every training document began with it. `split_special_tokens` keeps text that spells
+        "<|bos|>" as bytes, as `encode` does.
+
+        transformers loads the tokenizer of a qwen3_5_moe_text checkpoint as its Qwen3_5Tokenizer, whatever
+        tokenizer_config.json names. That class takes the vocab, merges, added tokens and post-processor from
+        tokenizer.json but adds its own NFC normalizer (and a regex split, which changes nothing without merges):
+        `AutoTokenizer` encodes `unicodedata.normalize("NFC", text)`, the same as `encode(text)` for NFC text;
+        `PreTrainedTokenizerFast.from_pretrained(folder)` runs tokenizer.json as written, `encode(text)` for any text.
+        """
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        vocab = {char: byte for byte, char in enumerate(_byte_level_chars())}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(BYTE_BOS, special=True), AddedToken(BYTE_EOS, special=True)])  # 256, 257
+        tok.post_processor = processors.TemplateProcessing(single=f"{BYTE_BOS} $A",
+                                                           special_tokens=[(BYTE_BOS, self.bos_id)])
+        folder = Path(folder)
+        tok.save(str(folder / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BYTE_BOS, "eos_token": BYTE_EOS,
+                  "pad_token": None, "unk_token": None, "split_special_tokens": True,
+                  "clean_up_tokenization_spaces": False}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _byte_level_chars() -> list[str]:
+    """The character that the ByteLevel pre-tokenizer (GPT-2's byte-level alphabet) shows for byte 0..255:
+    printable Latin-1 bytes stand for themselves, the other 68 take U+0100, U+0101, ... in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, shifted = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
 
 
 class HFTokenizer:
@@ -62,6 +127,24 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Copy the tokenizer files this tokenizer was loaded from (tokenizer.json, its tokenizer_config.json,
+        vocab, merges, chat templates, ...) into `folder`.
+
+        transformers loads the tokenizer of a qwen3_5_moe_text checkpoint as its Qwen3_5Tokenizer, whatever
+        tokenizer_config.json names: the Qwen3.5 pipeline (NFC, its split regex, byte-level BPE) around the
+        vocab, merges, added tokens and post-processor of tokenizer.json. For a Qwen-style byte-level BPE (the
+        Qwen3.5 tokenizer itself) `AutoTokenizer` gives our ids; for another kind of tokenizer load the export
+        with `PreTrainedTokenizerFast.from_pretrained(folder)`, which runs tokenizer.json as written.
+        """
+        source, folder = Path(self.path), Path(folder)
+        shutil.copyfile(source, folder / "tokenizer.json")  # under its standard name even if the source differs
+        for name in TOKENIZER_FILES:
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, folder / name)
+        if (source.parent / CHAT_TEMPLATES_FOLDER).is_dir():
+            shutil.copytree(source.parent / CHAT_TEMPLATES_FOLDER, folder / CHAT_TEMPLATES_FOLDER)
 
 
 def _read_tokenizer_config(file: Path) -> dict:

@@ -16,7 +16,7 @@ import torch
 from parallel.parallel_dims import ParallelDims
 
 from .checkpoint import export_hf
-from .config import JobConfig, validate_parallelism
+from .config import JobConfig, to_toml, validate_parallelism
 from .data import build_dataloader
 from .loss import balance_loss_share, cross_entropy_share, global_label_tokens
 from .lr_schedule import build_lr_scheduler
@@ -25,6 +25,7 @@ from .model_setup import DTYPES, build_model, build_model_args
 from .optimizer import build_optimizer
 from .runtime import init_process_group, pick_device, set_seed
 from .tokenizer import build_tokenizer
+from .validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,29 @@ class Trainer:
 
         dp_rank = self.mesh.get_rank() if self.mesh is not None else 0  # DP-only mesh: rank in it
         t = cfg.training
+        cache_dir = t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache")
         self.dataloader = build_dataloader(
             t.dataset, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
-            dp_rank=dp_rank, dp_world_size=self.dims.dp,
-            cache_dir=t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache"))
+            dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir)
+        self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device)
+                          if cfg.validation.enable else None)
         self.step = 0
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0, job_name=cfg.job.name)
         self.flops_per_token = training_flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device)
+        self.last: dict[str, float] = {}
+        self.started = time.perf_counter()
+        if self.rank == 0:
+            self._save_config()
+
+    def _save_config(self) -> None:
+        """The resolved config, printed and saved as <dump_folder>/config.toml (`--config` on it repeats the run)."""
+        text = to_toml(self.cfg)
+        path = os.path.join(self.cfg.job.dump_folder, "config.toml")
+        with open(path, "w") as f:
+            f.write(text)
+        logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over the global batch; returns the global loss, balance loss and grad norm."""
@@ -106,13 +121,12 @@ class Trainer:
         data = iter(self.dataloader)
         tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum
         window_tokens, window_start = 0, time.perf_counter()
-        last = {}
         self.model.train()
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
                 lr = self.optimizer.param_groups[0]["lr"]
-                last = self.train_step([next(data) for _ in range(accum)])
+                self.last = last = self.train_step([next(data) for _ in range(accum)])
                 window_tokens += tokens_per_step_local
                 if self.step % cfg.metrics.log_freq == 0 or self.step in (1, cfg.training.steps):
                     if self.device.type == "cuda":
@@ -123,14 +137,33 @@ class Trainer:
                     self.metrics.log(self.step, {**last, "lr": lr, "tokens_per_sec": tps, "mfu": mfu,
                                                  "max_memory_gib": max_memory_gib(self.device)})
                     window_tokens, window_start = 0, time.perf_counter()
+                if self.validator is not None and (self.step % cfg.validation.freq == 0
+                                                   or self.step == cfg.training.steps):
+                    self.metrics.log_validation(self.step, self.validator.validate(self.model))
+                    window_start = time.perf_counter()  # validation time is not training throughput
         finally:
             self.metrics.close()
-        return last
+        return self.last
+
+    def print_summary(self) -> None:
+        """Rank 0: what the run did and where its outputs are."""
+        if self.rank != 0:
+            return
+        cfg, folder = self.cfg, os.path.abspath(self.cfg.job.dump_folder)
+        tokens = self.step * self.layout.global_batch_size * cfg.training.seq_len
+        outputs = ["metrics.jsonl", "config.toml"]
+        if self.metrics.tb_dir is not None:
+            outputs.append(os.path.relpath(self.metrics.tb_dir, folder) + "/")
+        if cfg.checkpoint.export_hf_at_end:
+            outputs.append("hf/")
+        print(f"[{cfg.job.name}] done: {self.step} steps, {tokens:,} tokens in "
+              f"{time.perf_counter() - self.started:.0f} s, final loss {self.last.get('loss', float('nan')):.4f}; "
+              f"outputs in {folder}: {', '.join(outputs)}", flush=True)
 
     def export_hf(self) -> None:
         """Write the trained weights as a Hugging Face folder at <dump_folder>/hf."""
         export_hf(self.model, self.model_args, os.path.join(self.cfg.job.dump_folder, "hf"),
-                  DTYPES[self.cfg.checkpoint.export_dtype], self.rank)
+                  DTYPES[self.cfg.checkpoint.export_dtype], self.rank, tokenizer=self.tokenizer)
 
     def close(self) -> None:
         if hasattr(self.dataloader, "close"):  # a streaming loader's prefetch thread

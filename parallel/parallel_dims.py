@@ -11,8 +11,10 @@ checked once, whatever this build runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:  # torch loads only when a mesh is built: config validation stays import-light
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The FSDP mesh over the initialised default process group (None without one: a single CPU process)."""
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             return None

@@ -40,8 +40,9 @@ TINY_HF_CONFIG = {
 
 
 def force_transformers_torch_kernels(monkeypatch) -> None:
-    """transformers binds FLA's Triton kernels at import whenever `fla` imports, and they fail on CPU
-    tensors; point its module-level kernel functions back at its own pure-torch versions."""
+    """With FLA installed (the `gpu` extra), transformers binds FLA's Triton kernels into its Qwen3.5 GDN
+    layers, and they fail on CPU tensors; point its module-level kernel functions back at its own pure-torch
+    versions. Without FLA (a CPU install, as in CI) transformers already runs those, and this changes nothing."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
 
     for name in (

@@ -184,8 +184,16 @@ def fla_hopper_guard_fires() -> bool:
     return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and not importlib.util.find_spec("tilelang")
 
 
-class FlaBackwardUnavailableError(RuntimeError):
-    """FLA cannot run the gated delta rule backward on this machine (and we will not bypass its guard)."""
+class FlaKernelsUnavailableError(RuntimeError):
+    """FLA's kernels cannot train on this machine: not installed, or its backward refused (and not bypassed)."""
+
+
+def require_fla() -> None:
+    """CUDA training runs FLA's kernels: stop at once, naming the install, when the package is missing."""
+    if importlib.util.find_spec("fla") is None:
+        raise FlaKernelsUnavailableError(
+            "training on CUDA needs FLA's kernels (package fla-core), which are not installed: "
+            "pip install -e '.[gpu]' (or pip install 'fla-core>=0.6,<0.7')")
 
 
 def fla_check_failures(errors: dict[str, float], biases: dict[str, float]) -> list[str]:
@@ -198,7 +206,7 @@ def enable_fla_hopper_backward(num_k_heads: int, num_v_heads: int, head_k_dim: i
                                kernel=None) -> dict:
     """Bypass FLA's Hopper guard where it would fire, if and only if FLA (or `kernel`, for tests) passes the
     self-check on these head shapes. Returns {"needed": False} where the guard does not fire, else the measured
-    statistics; raises FlaBackwardUnavailableError (guard left in place) when the check fails."""
+    statistics; raises FlaKernelsUnavailableError (guard left in place) when the check fails."""
     if not fla_hopper_guard_fires():
         return {"needed": False}
     chunk_o = importlib.import_module("fla.ops.common.chunk_o")  # holds the flag FLA's guard reads
@@ -217,7 +225,7 @@ def enable_fla_hopper_backward(num_k_heads: int, num_v_heads: int, head_k_dim: i
     failures = fla_check_failures(errors, biases)
     if failures:
         chunk_o.TRITON_ABOVE_3_7_1 = previous
-        raise FlaBackwardUnavailableError(
+        raise FlaKernelsUnavailableError(
             f"FLA's gated delta rule on this GPU (Hopper, Triton < 3.7.1) disagrees with the float64 reference on "
             f"{shapes}: {', '.join(failures)} (bounds: error {FLA_CHECK_ERROR_BOUND:.0e}, bias "
             f"{FLA_CHECK_BIAS_BOUND:.0e}). Not bypassing FLA's guard: install Triton >= 3.7.1 (or tilelang).")
@@ -233,7 +241,7 @@ def refuse_fla_hopper_backward() -> None:
     """For model.fla_hopper_backward = "off": stop at once, rather than at the first backward, where FLA's
     guard fires."""
     if fla_hopper_guard_fires():
-        raise FlaBackwardUnavailableError(
+        raise FlaKernelsUnavailableError(
             "FLA 0.6.0 refuses the gated delta rule backward on Hopper GPUs with Triton >= 3.4 and < 3.7.1 "
             "(chunk_bwd_dqkwg can return wrong gradients there) and model.fla_hopper_backward is off: install "
             "Triton >= 3.7.1 (or tilelang), or set model.fla_hopper_backward = \"auto\" to bypass the guard after "

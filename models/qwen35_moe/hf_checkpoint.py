@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,13 +50,16 @@ def save_hf_checkpoint(
     folder: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 1024**3,
+    extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a native state dict as a text-only HF CausalLM folder that transformers loads.
 
     A_log, dt_bias and the GDN output norm are written in fp32, everything else in `dtype`. Files are
     written to a fresh temporary folder (whatever an earlier interrupted export left there is deleted
-    first), the shard index last, everything flushed to disk, then the folder is renamed into place:
-    an interrupted export never leaves a half-written or mixed folder under the final name.
+    first), the shard index last, then `extra_files(temporary_folder)` adds what must be published with the
+    weights (the tokenizer). Every file is made readable by all (0644, folders 0755, less the umask),
+    everything is flushed to disk, then the folder is renamed into place: an interrupted export never leaves
+    a half-written or mixed folder under the final name.
     """
     folder = Path(folder)
     hf = Qwen35MoeStateDictAdapter(args).to_hf(state_dict)
@@ -87,7 +91,10 @@ def save_hf_checkpoint(
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in hf.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")  # last: it names the shards
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")  # after the shards: it names them
+    if extra_files is not None:
+        extra_files(tmp)
+    _make_readable(tmp)
     _fsync_folder(tmp)
     if folder.exists():
         backup = folder.with_name(folder.name + ".old")
@@ -101,9 +108,21 @@ def save_hf_checkpoint(
     return folder
 
 
+def _make_readable(folder: Path) -> None:
+    """Give every file 0644 and every folder 0755, less the umask, the modes open() and mkdir() give by default:
+    safetensors writes through a private temporary file, which leaves the weights 0600, readable by us alone."""
+    umask = os.umask(0o022)  # the only way to read the umask is to set it; put it back at once
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o755 if path.is_dir() else 0o644) & ~umask)
+
+
 def _fsync_folder(folder: Path) -> None:
-    """Flush every file of `folder`, then the folder itself, so a rename after this publishes complete files."""
+    """Flush every file under `folder`, then the folders, so a rename after this publishes complete files."""
     for path in folder.iterdir():
+        if path.is_dir():
+            _fsync_folder(path)
+            continue
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     fd = os.open(folder, os.O_RDONLY)

@@ -1,5 +1,6 @@
-"""Worker for test_fsdp: the trainer's first optimizer step of the debug model on the real data pipeline, with
-the MoE balance loss on. Rank 0 saves the initial weights, the step's losses and grad norm and the full gradients.
+"""Worker for test_fsdp: a validation pass, then the trainer's first optimizer step of the debug model on the
+real data pipeline, with the MoE balance loss on. Rank 0 saves the initial weights, the validation loss, the
+step's losses and grad norm and the full gradients.
 Run as one plain process or under torchrun (gloo); extra arguments are config overrides."""
 
 import os
@@ -29,15 +30,18 @@ def main(out_path: str, *overrides: str) -> None:
         "--metrics.enable_tensorboard", "false",
         "--job.dump_folder", os.path.join(os.path.dirname(out_path), f"dump_{world}_{replicas}"),
         "--training.dataset_cache_dir", os.path.join(os.path.dirname(out_path), "dataset_cache"),
+        "--validation.enable", "true", "--validation.steps", "2",
+        "--validation.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
         *overrides,
     ])
     trainer = Trainer(cfg)
     initial = {name: full(p) for name, p in trainer.model.named_parameters()}
+    validation = trainer.validator.validate(trainer.model)
     batch = next(iter(trainer.dataloader))  # rank r of W: global rows r, r + W, ... of the same 4 rows
     out = trainer.train_step([batch])
     grads = {name: full(p.grad) for name, p in trainer.model.named_parameters()}
     if trainer.rank == 0:
-        torch.save({"out": out, "initial": initial, "grads": grads}, out_path)
+        torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation}, out_path)
     trainer.close()
 
 

@@ -44,6 +44,8 @@ def test_two_ranks_match_single_process(single, layout):
         assert torch.equal(got["initial"][key], value), key
 
     # Same fp32 math, other summation order (per-rank partial sums + all-reduce): ~1e-7 relative.
+    assert got["validation"]["val_tokens"] == ref["validation"]["val_tokens"]
+    assert got["validation"]["val_loss"] == pytest.approx(ref["validation"]["val_loss"], rel=1e-6)
     for key in ("loss", "aux_loss", "grad_norm"):
         assert got["out"][key] == pytest.approx(ref["out"][key], rel=1e-5), key
     assert ref["out"]["aux_loss"] > 1.0  # the balance loss was on (a uniform router gives top_k = 2)

@@ -11,7 +11,7 @@ import torch
 
 import models.qwen35_moe.gated_delta_rule as gdr
 from models.qwen35_moe.gated_delta_rule import (
-    FlaBackwardUnavailableError,
+    FlaKernelsUnavailableError,
     enable_fla_hopper_backward,
     fla_check_failures,
     fla_gated_delta_rule_errors,
@@ -74,7 +74,7 @@ def hopper_with_old_triton(monkeypatch):
 
 
 def test_auto_bypasses_the_guard_only_after_the_check_passes(hopper_with_old_triton):
-    with pytest.raises(FlaBackwardUnavailableError, match=r"dg bias 1\.0e-02.*install Triton >= 3\.7\.1"):
+    with pytest.raises(FlaKernelsUnavailableError, match=r"dg bias 1\.0e-02.*install Triton >= 3\.7\.1"):
         enable_fla_hopper_backward(*SHAPE, "cpu", kernel=kernel_with_wrong_dg(1, 1.01, correct_kernel))
     assert hopper_with_old_triton.TRITON_ABOVE_3_7_1 is False  # guard left in place
     result = enable_fla_hopper_backward(*SHAPE, "cpu", kernel=correct_kernel)
@@ -83,5 +83,13 @@ def test_auto_bypasses_the_guard_only_after_the_check_passes(hopper_with_old_tri
 
 
 def test_off_refuses_at_once_where_the_guard_fires(hopper_with_old_triton):
-    with pytest.raises(FlaBackwardUnavailableError, match=r"install Triton >= 3\.7\.1"):
+    with pytest.raises(FlaKernelsUnavailableError, match=r"install Triton >= 3\.7\.1"):
         refuse_fla_hopper_backward()
+
+
+def test_cuda_training_without_fla_installed_is_one_clear_error(monkeypatch):
+    from models.qwen35_moe.gated_delta_rule import require_fla
+
+    monkeypatch.setattr(gdr.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FlaKernelsUnavailableError, match=r"pip install -e '\.\[gpu\]'"):
+        require_fla()

@@ -1,0 +1,50 @@
+"""Held-out loss: the token-mean cross entropy of a validation set, data-parallel like training.
+
+Every validation reads the same rows (a fresh loader from row 0 of the set's token cache), `validation.steps`
+micro-batches of training's local_batch_size x seq_len per data-parallel rank (-1: the whole set), and reduces
+the summed loss and label-token count over all ranks. The MoE balance loss is a training regulariser and is
+not part of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import JobConfig
+from .data import IGNORE_INDEX, build_dataloader
+from .loss import cross_entropy_share
+
+
+class Validator:
+    def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_world_size: int, cache_dir: str,
+                 device: torch.device):
+        v, t = cfg.validation, cfg.training
+        self.steps = None if v.steps == -1 else v.steps
+        self.device = device
+        self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
+                                       t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                                       cache_dir=cache_dir, infinite=False)
+        self.start = self.loader.state_dict()  # every validation rewinds to here: the same rows each time
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module) -> dict[str, float]:
+        """{"val_loss", "val_tokens"} over the validation rows of all ranks."""
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        self.loader.load_state_dict(self.start)
+        for batch in itertools.islice(self.loader, self.steps):
+            labels = batch["labels"].to(self.device)
+            out = model(batch["input_ids"].to(self.device), batch["position_ids"].to(self.device))
+            loss_sum += cross_entropy_share(out.logits, labels, torch.ones((), device=self.device))
+            tokens += (labels != IGNORE_INDEX).sum()
+        totals = torch.stack((loss_sum, tokens))
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        model.train(was_training)
+        return {"val_loss": (totals[0] / totals[1].clamp_min(1)).item(), "val_tokens": int(totals[1].item())}

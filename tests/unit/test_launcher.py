@@ -1,0 +1,105 @@
+"""run_train.sh as a user runs it (a subprocess): exit codes, one-line errors, --help, any interpreter and any
+directory, the run's account (config.toml, summary, TensorBoard per run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TRAIN = str(REPO / "run_train.sh")
+FAST = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.enable_tensorboard", "false"]
+
+
+def run_train(*args, cwd=REPO, ngpu="1", python=sys.executable, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NGPU": ngpu, "PYTHON": python, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([RUN_TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("ngpu", ["1", "2"])
+def test_bad_key_is_one_error_line_and_exit_2_before_any_worker_starts(ngpu, tmp_path):
+    result = run_train("--training.step", "5", "--job.dump_folder", str(tmp_path / "o"), ngpu=ngpu)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: command line: unknown option --training.step (did you mean "
+                                          "--training.steps?)"]
+    assert result.stdout == "" and not (tmp_path / "o").exists()
+
+
+def test_all_unset_placeholders_of_the_35b_config_are_named_at_once():
+    result = run_train("--config", str(REPO / "train_configs" / "qwen35_moe.toml"))
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    for key in ("training.dataset_path", "model.tokenizer_path", "checkpoint.initial_load_hf"):
+        assert key in result.stderr, key
+
+
+@pytest.mark.parametrize("ngpu", ["1", "2"])
+def test_divergence_exits_3_with_the_workers_error_and_no_launcher_traceback(ngpu, tmp_path):
+    result = run_train(*FAST, "--training.steps", "6", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
+                       "--job.dump_folder", str(tmp_path / "o"), ngpu=ngpu)
+    assert result.returncode == 3, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors and "error: step" in errors[0]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_help_lists_every_key_with_type_default_and_comment():
+    result = run_train("--help")
+    assert result.returncode == 0
+    from harness.config import _ALL_KEYS
+
+    for key in _ALL_KEYS:
+        assert f"--{key}  (" in result.stdout, key
+    assert "--training.steps  (int, default 10)\n      optimizer steps to run" in result.stdout
+    assert run_train("-h").stdout == result.stdout
+
+
+def test_python_variable_picks_the_interpreter_and_one_without_torch_is_one_error_line(tmp_path):
+    no_site = tmp_path / "python_without_packages"
+    no_site.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # -S: no site-packages, so no torch
+    no_site.chmod(0o755)
+    result = run_train("--training.steps", "1", python=str(no_site))
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "cannot import torch" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_embedded_default_runs_from_another_directory_and_accounts_for_itself(tmp_path):
+    """From an unrelated folder, with the interpreter named by PYTHON (no activated venv, no repo on PATH)."""
+    result = run_train(*FAST, "--training.steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "outputs" / "debug_model"  # job.dump_folder is relative to the current directory
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert "done: 2 steps, 512 tokens" in result.stdout and str(out) in result.stdout
+    # The saved config repeats the run from anywhere: it loads back to the same settings.
+    saved = load_config(["--config", str(out / "config.toml")])
+    assert saved.training.steps == 2 and saved.training.seq_len == 64
+    assert saved.training.dataset_path == str(REPO / "data" / "debug_corpus" / "train.jsonl")
+    assert load_config(["--config", str(out / "config.toml")]) == saved
+
+
+def test_a_fresh_run_keeps_its_tensorboard_events_apart_from_an_earlier_run(tmp_path):
+    flags = [*FAST, "--training.steps", "1", "--metrics.enable_tensorboard", "true", "--job.dump_folder",
+             str(tmp_path / "o")]
+    assert run_train(*flags).returncode == 0
+    import time
+
+    time.sleep(1.1)  # run folders are named by start time, to the second
+    assert run_train(*flags).returncode == 0
+    runs = sorted(p for p in (tmp_path / "o" / "tb").iterdir())
+    assert len(runs) == 2 and all(any(f.name.startswith("events.out.tfevents") for f in r.iterdir()) for r in runs)
+
+
+def test_cpu_threads_are_split_over_the_processes_and_wait_passively_unless_set():
+    from harness.launch import cpu_thread_settings
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_thread_settings(1, {}) == {"OMP_NUM_THREADS": str(cores), "OMP_WAIT_POLICY": "PASSIVE"}
+    assert cpu_thread_settings(2 * cores, {})["OMP_NUM_THREADS"] == "1"  # never 0
+    assert cpu_thread_settings(1, {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}) == {}
