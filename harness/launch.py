@@ -44,11 +44,12 @@ def visible_gpus() -> int:
 def cpu_thread_settings(procs_per_node: int, environ: dict[str, str]) -> dict[str, str]:
     """OpenMP settings for CPU workers, where `environ` does not set them already.
 
-    Measured with the debug model on 2 cores (10 steps): while another process kept one core busy, the default
-    (2 spinning threads) took 22.8 s against 12.5 s with 1 thread and 13.7 s with 2 passive threads; idle, a
-    larger step (seq_len 1024) took 21.0 s with 2 spinning threads, 22.5 s with 2 passive and 28.2 s with 1. So:
-    all usable cores, shared by the node's processes, waiting passively: a few percent when the machine is
-    idle against a 2x slowdown (16x seen on a busier one) when it is not."""
+    Measured on 2 cores, `./run_train.sh --training.steps 20` (the embedded default, start-up included): idle,
+    14.0-14.6 s with spinning (OMP_WAIT_POLICY=ACTIVE) threads against 16.7-17.6 s with passive ones; with a
+    second process keeping one core busy, 39.8 s spinning against 21.2 s passive (one thread: 17.3 s, but 25%
+    slower idle, and far slower on a larger step or machine). So: all usable cores, shared by the node's
+    processes, waiting passively - under a fifth slower when the machine is idle, instead of 2.8x slower (16x
+    seen on a busier machine) when it is not."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     settings = {"OMP_NUM_THREADS": str(max(1, cores // procs_per_node)), "OMP_WAIT_POLICY": "PASSIVE"}
     return {k: v for k, v in settings.items() if k not in environ}
