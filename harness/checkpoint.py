@@ -41,5 +41,5 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
             extra_files = tokenizer.save_pretrained
         save_hf_checkpoint(state, args, folder, dtype=dtype, extra_files=extra_files)
         logger.info("exported Hugging Face checkpoint to %s", os.path.abspath(folder))
-    if dist.is_initialized():
-        dist.barrier()
+    if dist.is_initialized():  # the other ranks wait for rank 0's write (NCCL: name the device, no warning)
+        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
