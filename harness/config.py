@@ -119,11 +119,11 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable: bool = False  # DCP checkpoints and resume (not available in this build yet)
+    enable: bool = False  # DCP checkpoints, and resume from the latest complete one in this dump folder
     folder: str = "checkpoint"  # under dump_folder; DCP steps saved as step-N/
     interval: int = 500  # save every N steps (and at the last step)
     keep_latest_k: int = 2  # older step folders are deleted; 0 = keep all
-    async_mode: Literal["disabled", "async"] = "disabled"  # "async": overlap the checkpoint write with training
+    async_mode: Literal["disabled", "async"] = "disabled"  # "async": write in the background while training goes on
     export_hf_at_end: bool = False  # write a Hugging Face folder to <dump_folder>/hf at the end
     export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # A_log, dt_bias, GDN norm: always F32
     initial_load_hf: str = ""  # HF checkpoint folder to initialise weights from (when none to resume)
@@ -325,6 +325,10 @@ def _check_values(cfg: JobConfig) -> None:
                 f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
                 f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps or "
                 f"decay_ratio")
+    if cfg.checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}")
+    if cfg.checkpoint.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be a step or -1 (the latest), got {cfg.checkpoint.load_step}")
     if cfg.validation.steps == 0 or cfg.validation.steps < -1:
         raise ConfigError(f"validation.steps must be positive or -1 (the whole set), got {cfg.validation.steps}")
     factor = cfg.lr_scheduler.min_lr_factor

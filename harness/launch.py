@@ -7,8 +7,8 @@
 - One process in all (NGPU=1, NNODES=1): the worker runs in this process, with its own exit code.
 - Otherwise torchrun starts NGPU workers per node. Worker output passes through as it comes; torchrun's own
   lines are held back and shown only when a worker failed without saying why (a crash). A worker that stops
-  for a known reason (2 bad input, 3 divergence) leaves its code in QWEN35_EXIT_DIR and the launcher exits
-  with it, after the worker's `error:` line, without torchrun's traceback.
+  for a known reason (2 bad input, 3 divergence, 0 SIGTERM, 130 Ctrl-C) leaves its code in QWEN35_EXIT_DIR
+  and the launcher exits with it, after the worker's one line, without torchrun's traceback.
 - CPU runs get their threads chosen, unless OMP_NUM_THREADS / OMP_WAIT_POLICY are set: the usable cores
   split evenly over this node's processes, and OpenMP threads that sleep rather than spin while they wait
   (`cpu_thread_settings`).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,21 +93,21 @@ def run_torchrun(argv: list[str], nproc: int, nnodes: int) -> int:
     held = []  # torchrun's own stderr lines: its traceback after a worker fails, start-up warnings
     try:
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
-        try:
-            for line in proc.stderr:
-                if line.startswith("[rank"):  # a worker's line, tee'd by torchrun
-                    sys.stderr.write(line)
-                else:
-                    held.append(line)
-            returncode = proc.wait()
-        except KeyboardInterrupt:  # torchrun got the same SIGINT and stops its workers
-            proc.wait()
-            return 130
+        # Ctrl-C reaches torchrun and the workers too (one process group): they stop, save and say so; keep
+        # relaying their lines meanwhile. A SIGTERM sent to this launcher alone is passed on to torchrun.
+        signal.signal(signal.SIGINT, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        for line in proc.stderr:
+            if line.startswith("[rank"):  # a worker's line, tee'd by torchrun
+                sys.stderr.write(line)
+            else:
+                held.append(line)
+        returncode = proc.wait()
         codes = [int(p.read_text()) for p in Path(exit_dir).iterdir()]
     finally:
         shutil.rmtree(exit_dir, ignore_errors=True)
-    if returncode != 0 and codes:
-        return max(codes)  # every rank reports the same reason; 3 (diverged) outranks 2 if both occur
+    if returncode != 0 and codes:  # the workers stopped for a known reason (torchrun reports any stop as failed)
+        return max(codes)  # every rank reports the same reason; the larger code wins if they differ
     if returncode != 0:
         sys.stderr.writelines(held)
     return returncode

@@ -73,6 +73,20 @@ def max_memory_gib(device: torch.device) -> float:
     return kib / 1024**2
 
 
+def _records_up_to(path: Path, step: int) -> list[str]:
+    """The lines of a metrics.jsonl whose step is at most `step` (an unreadable tail line is dropped)."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):  # a line cut by a kill
+            continue
+    return kept
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
@@ -82,11 +96,15 @@ class MetricsLogger:
     """Rank 0 writes a console line, one JSON object per logged step to metrics.jsonl, and TensorBoard scalars.
 
     TensorBoard events of each run go to their own sub-folder, <tb_folder>/<run start time>, so a fresh run in a
-    folder that holds an earlier run's events shows as another run instead of mixing into its curves.
+    folder that holds an earlier run's events shows as another run instead of mixing into its curves. A run
+    resumed at step k (`resume_step`) continues its own: metrics.jsonl keeps its records up to step k and
+    appends, TensorBoard reopens the run's folder (`tb_run`) and drops its events after step k (those of the
+    steps after the checkpoint, which the resumed run computes again).
     """
 
     def __init__(self, dump_folder: str | Path, total_steps: int, enable_tensorboard: bool, tb_folder: str,
-                 enabled: bool = True, append: bool = False, job_name: str = ""):
+                 enabled: bool = True, job_name: str = "", resume_step: int | None = None,
+                 tb_run: str | None = None):
         self.enabled = enabled
         self.prefix = f"[{job_name}] " if job_name else ""
         self.total_steps = total_steps
@@ -99,13 +117,16 @@ class MetricsLogger:
             return
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
-        # A fresh run starts a fresh file; a resumed one (append) continues it.
-        self.jsonl = open(folder / "metrics.jsonl", "a" if append else "w")
+        path = folder / "metrics.jsonl"
+        kept = _records_up_to(path, resume_step) if resume_step is not None else []
+        self.jsonl = open(path, "w")  # a fresh run starts a fresh file; a resumed one keeps its first steps
+        self.jsonl.writelines(kept)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_dir = folder / tb_folder / time.strftime("%Y%m%d-%H%M%S")
-            self.writer = SummaryWriter(log_dir=str(self.tb_dir))
+            self.tb_dir = folder / tb_folder / (tb_run or time.strftime("%Y%m%d-%H%M%S"))
+            purge = resume_step + 1 if resume_step is not None and tb_run else None
+            self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         if not self.enabled:

@@ -15,7 +15,7 @@ from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
 from parallel.parallelize import parallelize_qwen35_moe
 
-from .checkpoint import load_hf_weights
+from .hf_weights import load_hf_weights
 from .config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ def build_model_args(cfg: JobConfig, vocab_size: int) -> Qwen35MoeArgs:
     return args
 
 
-def build_model(cfg: JobConfig, args: Qwen35MoeArgs, mesh: DeviceMesh | None, device: torch.device) -> Qwen35MoeModel:
+def build_model(cfg: JobConfig, args: Qwen35MoeArgs, mesh: DeviceMesh | None, device: torch.device,
+                load_hf: bool = True) -> Qwen35MoeModel:
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
     if device.type == "cuda":
@@ -48,7 +49,7 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, mesh: DeviceMesh | None, de
                            ac_mode=cfg.activation_checkpoint.mode, compile=cfg.compile.enable)
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)
-    if cfg.checkpoint.initial_load_hf:
+    if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,

@@ -1,7 +1,8 @@
 """What a run needs, checked before any worker starts: every problem found is named in one ConfigError.
 
 Paths that must exist (dataset, validation set, tokenizer, HF config and checkpoint), a known model flavor,
-a tokenizer that fits the model's vocabulary, and features this build does not have yet. Runs without torch
+a tokenizer that fits the model's vocabulary, and features this build does not have yet (context and expert
+parallelism). Runs without torch
 (the models' args and flavors are plain Python), so a typo fails in well under a second.
 """
 
@@ -35,9 +36,6 @@ def _unavailable_features(cfg: JobConfig) -> list[str]:
     if p.context_parallel_degree > 1 or p.expert_parallel_degree > 1:
         problems.append("parallelism.context_parallel_degree and expert_parallel_degree > 1 are not available in "
                         "this build yet; set them to 1")
-    if cfg.checkpoint.enable:
-        problems.append("checkpoint.enable = true: DCP checkpointing and resume are not available in this build "
-                        "yet; set it to false (checkpoint.export_hf_at_end works without it)")
     return problems
 
 

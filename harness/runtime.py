@@ -43,3 +43,11 @@ def set_seed(seed: int, deterministic: bool, device: torch.device) -> None:
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
+
+
+def cpu_process_group() -> dist.ProcessGroup | None:
+    """A gloo group over all ranks (the default group when it is gloo), for small CPU-side agreements and DCP's
+    async save; None without a process group."""
+    if not dist.is_initialized():
+        return None
+    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")

@@ -1,10 +1,12 @@
 """Worker entry point: `python -m harness.train [--config FILE] [--section.key value ...]`, one per rank (launched
 by harness/launch.py, which run_train.sh wraps, or by torchrun directly). `--help` lists every key.
 
-Exit codes: 0 done; 2 bad input (one `error:` line, printed before any process group or output file exists,
-or a machine that cannot run the kernels); 3 diverged (NaN / inf loss; nothing saved for that step). Under a
-launcher that sets QWEN35_EXIT_DIR, a failing rank writes its code there, so the launcher can exit with it
-instead of torchrun's generic 1.
+Exit codes: 0 done, or stopped by SIGTERM (after saving a checkpoint when checkpointing is on); 2 bad input
+(one `error:` line, printed before any process group or output file exists; or a checkpoint that cannot be
+resumed, or a machine that cannot run the kernels); 3 diverged (NaN / inf loss; nothing saved for that step);
+130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice). Under a launcher that sets
+QWEN35_EXIT_DIR, a rank that stops for one of these reasons writes its code there, so the launcher can exit
+with it instead of torchrun's generic 1.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from .config import ConfigError, load_config, validate_parallelism
 from .preflight import check_run_requirements
 
-BAD_INPUT, DIVERGED = 2, 3
+BAD_INPUT, DIVERGED, INTERRUPTED = 2, 3, 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,12 +41,17 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[{name} %(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
     from models.qwen35_moe.gated_delta_rule import FlaKernelsUnavailableError
 
+    from .checkpoint import CheckpointError
+    from .preemption import TERMINATED, TrainingStopped
     from .trainer import Trainer, TrainingDivergedError  # heavy imports only once the config is valid
 
     try:
         trainer = Trainer(cfg)
-    except FlaKernelsUnavailableError as err:  # this machine's kernels, not the config: say what to install
+    except (FlaKernelsUnavailableError, CheckpointError) as err:  # the machine or the dump folder: say what
         return _fail(BAD_INPUT, err)
+    except KeyboardInterrupt:
+        return _stop(INTERRUPTED, "interrupted while starting; nothing saved")
+    trainer.stop.install()
     try:
         trainer.train()
         if cfg.checkpoint.export_hf_at_end:
@@ -52,18 +59,34 @@ def main(argv: list[str] | None = None) -> int:
         trainer.print_summary()
     except TrainingDivergedError as err:
         return _fail(DIVERGED, err)
+    except TrainingStopped as stopped:
+        return _stop(0 if stopped.reason == TERMINATED else INTERRUPTED, str(stopped))
+    except KeyboardInterrupt:  # a second Ctrl-C: no save
+        return _stop(INTERRUPTED, f"interrupted at step {trainer.step}; not saved (Ctrl-C twice)")
     finally:
         trainer.close()
     return 0
 
 
+def _stop(code: int, message: str) -> int:
+    """A deliberate stop: one line (not an error), and the code for the launcher."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    _record_exit(code)
+    return code
+
+
 def _fail(code: int, err: Exception) -> int:
     print(f"error: {err}", file=sys.stderr, flush=True)
+    _record_exit(code)
+    return code
+
+
+def _record_exit(code: int) -> None:
     exit_dir = os.environ.get("QWEN35_EXIT_DIR")
     if exit_dir:  # tell the launcher why this rank stops (torchrun itself only reports "failed")
         with open(os.path.join(exit_dir, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
             f.write(str(code))
-    return code
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import torch
 
 from parallel.parallel_dims import ParallelDims
 
-from .checkpoint import export_hf
+from .checkpoint import Checkpointer, latest_complete_step
+from .hf_weights import export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data import build_dataloader
 from .loss import balance_loss_share, cross_entropy_share, global_label_tokens
@@ -23,7 +24,8 @@ from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, max_memory_gib, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args
 from .optimizer import build_optimizer
-from .runtime import init_process_group, pick_device, set_seed
+from .preemption import StopRequested, TrainingStopped
+from .runtime import cpu_process_group, init_process_group, pick_device, set_seed
 from .tokenizer import build_tokenizer
 from .validation import Validator
 
@@ -45,12 +47,19 @@ class Trainer:
         set_seed(cfg.training.seed, cfg.training.deterministic, self.device)
         init_process_group(self.device, self.dims.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
+        self.cpu_group = cpu_process_group()  # for the per-step stop check: no GPU sync
+        self.stop = StopRequested()
+
+        ckpt = cfg.checkpoint
+        ckpt_folder = os.path.join(cfg.job.dump_folder, ckpt.folder)
+        resume_step = latest_complete_step(ckpt_folder, ckpt.load_step) if ckpt.enable else None
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
         self.aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
                               else cfg.training.aux_loss_coef)
-        self.model = build_model(cfg, self.model_args, self.mesh, self.device)
+        # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all.
+        self.model = build_model(cfg, self.model_args, self.mesh, self.device, load_hf=resume_step is None)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         s = cfg.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
@@ -64,9 +73,21 @@ class Trainer:
             dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir)
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device)
                           if cfg.validation.enable else None)
-        self.step = 0
+        self.step, tb_run = 0, None
+        self.checkpointer = None
+        if ckpt.enable:
+            args_for_hf, hf_files = with_tokenizer(self.model_args, self.tokenizer)
+            self.checkpointer = Checkpointer(
+                ckpt_folder, self.model, self.optimizer, self.lr_scheduler, self.dataloader,
+                keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
+                model_config=args_for_hf.to_hf_config(ckpt.export_dtype),
+                hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files))
+        if resume_step is not None:
+            train_state = self.checkpointer.resume(resume_step)
+            self.step, tb_run = train_state["step"], train_state["tb_run"]
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
-                                     cfg.metrics.save_tb_folder, enabled=self.rank == 0, job_name=cfg.job.name)
+                                     cfg.metrics.save_tb_folder, enabled=self.rank == 0, job_name=cfg.job.name,
+                                     resume_step=self.step if resume_step is not None else None, tb_run=tb_run)
         self.flops_per_token = training_flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.last: dict[str, float] = {}
@@ -141,9 +162,27 @@ class Trainer:
                                                    or self.step == cfg.training.steps):
                     self.metrics.log_validation(self.step, self.validator.validate(self.model))
                     window_start = time.perf_counter()  # validation time is not training throughput
+                stop = self.stop.agreed(self.cpu_group)
+                saved = self._maybe_save(force=bool(stop))
+                if stop:
+                    raise TrainingStopped(self.step, stop, saved)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
         finally:
             self.metrics.close()
         return self.last
+
+    def _maybe_save(self, force: bool) -> str | None:
+        """Checkpoint every checkpoint.interval steps, at the last step and when stopping; returns the folder."""
+        ckpt = self.cfg.checkpoint
+        due = self.step % ckpt.interval == 0 or self.step == self.cfg.training.steps
+        if self.checkpointer is None or not (due or force):
+            return None
+        tb_run = self.metrics.tb_dir.name if self.metrics.tb_dir is not None else None
+        path = self.checkpointer.save(self.step, tb_run=tb_run)
+        if force:
+            self.checkpointer.wait()  # the process is about to exit: the save must be complete
+        return str(path)
 
     def print_summary(self) -> None:
         """Rank 0: what the run did and where its outputs are."""
@@ -163,7 +202,7 @@ class Trainer:
     def export_hf(self) -> None:
         """Write the trained weights as a Hugging Face folder at <dump_folder>/hf."""
         export_hf(self.model, self.model_args, os.path.join(self.cfg.job.dump_folder, "hf"),
-                  DTYPES[self.cfg.checkpoint.export_dtype], self.rank, tokenizer=self.tokenizer)
+                  DTYPES[self.cfg.checkpoint.export_dtype], tokenizer=self.tokenizer)
 
     def close(self) -> None:
         if hasattr(self.dataloader, "close"):  # a streaming loader's prefetch thread

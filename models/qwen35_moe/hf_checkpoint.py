@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .args import Qwen35MoeArgs
 from .model import Qwen35MoeModel
@@ -18,30 +19,59 @@ from .state_dict_adapter import Qwen35MoeStateDictAdapter, hf_export_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default shard size
+
+
+class HFCheckpointReader:
+    """A safetensors checkpoint folder (single file or sharded with an index), read one tensor at a time.
+
+    `keys()` and `shape(key)` come from the file headers alone; `read(key)` loads one tensor."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        if (folder / INDEX_FILE).is_file():
+            weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        elif (folder / SINGLE_FILE).is_file():
+            weight_map = None
+        else:
+            raise FileNotFoundError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
+        self._file_of, self._shapes = {}, {}
+        for name in files:
+            path = folder / name
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is named in {INDEX_FILE} but does not exist")
+            with self._open(path) as f:
+                for key in f.keys():
+                    self._file_of[key] = path
+                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+
+    @staticmethod
+    def _open(path: Path):
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
+            raise ValueError(f"cannot read {path}: {e}") from e
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def read(self, key: str) -> torch.Tensor:
+        path = self._file_of[key]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:
+            raise ValueError(f"cannot read {key} from {path}: {e}") from e
 
 
 def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors checkpoint folder, single file or sharded with an index."""
-    folder = Path(folder)
-    if (folder / INDEX_FILE).is_file():
-        weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (folder / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise FileNotFoundError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-    state = {}
-    for name in files:
-        path = folder / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is named in {INDEX_FILE} but does not exist")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    state[key] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
-            raise ValueError(f"cannot read {path}: {e}") from e
-    return state
+    reader = HFCheckpointReader(folder)
+    return {key: reader.read(key) for key in reader.keys()}
 
 
 def save_hf_checkpoint(
@@ -49,7 +79,7 @@ def save_hf_checkpoint(
     args: Qwen35MoeArgs,
     folder: str | Path,
     dtype: torch.dtype = torch.bfloat16,
-    max_shard_bytes: int = 5 * 1024**3,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a native state dict as a text-only HF CausalLM folder that transformers loads.
@@ -59,38 +89,100 @@ def save_hf_checkpoint(
     first), the shard index last, then `extra_files(temporary_folder)` adds what must be published with the
     weights (the tokenizer). Every file is made readable by all (0644, folders 0755, less the umask),
     everything is flushed to disk, then the folder is renamed into place: an interrupted export never leaves
-    a half-written or mixed folder under the final name.
+    a half-written or mixed folder under the final name. (A sharded model is exported piece by piece with the
+    same helpers by harness/hf_weights.py.)
     """
     folder = Path(folder)
     hf = Qwen35MoeStateDictAdapter(args).to_hf(state_dict)
-    hf = {k: v.detach().to("cpu", hf_export_dtype(k, dtype)).contiguous() for k, v in hf.items()}
+    specs = {k: (hf_export_dtype(k, dtype), tuple(v.shape)) for k, v in hf.items()}
+    shards = plan_shards(specs, max_shard_bytes)
+    tmp = fresh_temporary_folder(folder)
+    for name, keys in zip(shard_names(len(shards)), shards):
+        write_shard(tmp / name, {k: specs[k] for k in keys}, ((k, hf[k].to(specs[k][0])) for k in sorted(keys)))
+    return publish_hf_folder(tmp, folder, args, dtype, shards, specs, extra_files)
 
-    shards, current, size = [], {}, 0
-    for key in sorted(hf):
-        nbytes = hf[key].numel() * hf[key].element_size()
-        if current and size + nbytes > max_shard_bytes:
+
+def tensor_bytes(spec: tuple[torch.dtype, tuple[int, ...]]) -> int:
+    dtype, shape = spec
+    return math.prod(shape) * torch.finfo(dtype).bits // 8
+
+
+def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> list[list[str]]:
+    """Keys (sorted) cut into consecutive shards of at most `max_shard_bytes` (a larger tensor gets one alone).
+    Depends on names, dtypes and shapes only, so every rank, and the offline converter, plan the same files."""
+    sizes = {k: tensor_bytes(v) for k, v in specs.items()}
+    shards, current, size = [], [], 0
+    for key in sorted(sizes):
+        if current and size + sizes[key] > max_shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[key] = hf[key]
-        size += nbytes
-    shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += sizes[key]
+    return [*shards, current]
 
+
+def shard_names(count: int) -> list[str]:
+    """File names of `count` shards, as transformers writes them."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def fresh_temporary_folder(folder: str | Path) -> Path:
+    """`<folder>.tmp`, empty: an earlier export that died there must not leave files in this one."""
+    folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
-    if tmp.exists():  # an earlier export died here: none of its files may end up in this one
+    if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    return tmp
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+
+
+def write_shard(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """One safetensors file, written tensor by tensor as `tensors` yields them (in `specs`' sorted key order),
+    then flushed to disk by the process that wrote it (it may be one rank of many).
+
+    Written here rather than with safetensors.torch.save_file, which builds the whole file in memory first
+    (twice the shard size at peak): the header is known from `specs`, so each tensor goes to disk as it comes
+    and memory stays at one tensor. The layout is the format's own: an 8-byte little-endian header length, the
+    JSON header (padded with spaces to a multiple of 8), the tensors' bytes back to back."""
+    keys = sorted(specs)
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key in keys:
+        dtype, shape = specs[key]
+        nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for expected, (key, tensor) in zip(keys, tensors, strict=True):
+            if key != expected or (tensor.dtype, tuple(tensor.shape)) != specs[key]:
+                raise ValueError(f"{path}: got {key} {tensor.dtype} {tuple(tensor.shape)}, expected {expected} "
+                                 f"{specs[expected]}")
+            f.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish_hf_folder(tmp: Path, folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
+                      shards: list[list[str]], specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      extra_files: Callable[[Path], None] | None = None) -> Path:
+    """Complete a temporary folder whose shards are written (config.json, the index last, `extra_files`),
+    make it readable by all, flush it and rename it into place (an existing folder is replaced)."""
+    folder = Path(folder)
     dtype_name = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype_name), indent=2) + "\n")
-    if len(shards) == 1:
-        save_file(shards[0], str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in hf.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if len(shards) > 1:
+        names = shard_names(len(shards))
+        weight_map = {key: name for name, keys in zip(names, shards) for key in keys}
+        index = {"metadata": {"total_size": sum(map(tensor_bytes, specs.values()))}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")  # after the shards: it names them
     if extra_files is not None:
         extra_files(tmp)

@@ -15,11 +15,15 @@ HF -> native (`from_hf`), accepting both the text-only and the multimodal layout
   4. tied embeddings: when the model ties them and `lm_head.weight` is absent, it is the embedding.
   5. validation against the model's own keys and shapes: any missing, unexpected or mis-shaped key
      raises one ValueError that names them.
+  Steps 1-4 on key names alone are `plan_from_hf` (native key -> the HF keys it is built from); `combine` builds
+  one native tensor from those. A loader can so read and convert one tensor at a time; `from_hf` is both on
+  a whole in-memory state dict.
 
 native -> HF (`to_hf`), always the text-only CausalLM layout with fused experts:
   1. `_fp32_params.` holder stripped; A_log / dt_bias emitted in fp32.
   2. `model.` prefix added to everything but `lm_head.weight` (dropped when embeddings are tied).
-  Dtypes are otherwise kept; `hf_export_dtype` gives the dtype each key is written in on export.
+  Dtypes are otherwise kept; `hf_export_dtype` gives the dtype each key is written in on export. `to_hf_key`
+  is the renaming for one key.
 """
 
 from __future__ import annotations
@@ -85,87 +89,101 @@ class Qwen35MoeStateDictAdapter:
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         hf = {}
         for key, value in state_dict.items():
-            if key == _LM_HEAD:
-                if not self.args.tie_word_embeddings:
-                    hf[key] = value
+            hf_key = self.to_hf_key(key)
+            if hf_key is None:
                 continue
-            hf_key = "model." + strip_fp32_holder_key(key)
             if is_gated_delta_net_fp32_param_key(hf_key) and value.dtype != torch.float32:
                 value = value.to(torch.float32)
             hf[hf_key] = value
         return hf
 
+    def to_hf_key(self, key: str) -> str | None:
+        """The HF key a native key is exported under (None: a tied lm_head, not written)."""
+        if key == _LM_HEAD:
+            return None if self.args.tie_word_embeddings else key
+        return "model." + strip_fp32_holder_key(key)
+
     # ---- HF -> native ----
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        renamed, skipped = {}, 0
-        multimodal = any(k.startswith("model.language_model.") for k in hf_state_dict)
-        prefix = "model.language_model." if multimodal else "model."
-        for key, value in hf_state_dict.items():
-            if key.startswith(_SKIPPED_PREFIXES):
-                skipped += 1
-                continue
-            if key == _LM_HEAD:
-                renamed[key] = value
-            elif key.startswith(prefix):
-                renamed[key[len(prefix) :]] = value
-            else:
-                renamed[key] = value  # reported as unexpected by validation below
-        if skipped:
-            logger.info("skipped %d vision / multi-token-prediction tensors not used by the text model", skipped)
-
-        native = self._fuse_per_expert(renamed)
-        native = {
-            route_fp32_holder_key(k): upcast_gated_delta_net_fp32_state_tensor(k, v) for k, v in native.items()
-        }
-        if self.args.tie_word_embeddings and _LM_HEAD not in native and "embed_tokens.weight" in native:
-            native[_LM_HEAD] = native["embed_tokens.weight"]
+        plan = self.plan_from_hf(hf_state_dict)
+        native = {key: self.combine(key, [hf_state_dict[h] for h in sources]) for key, sources in plan.items()}
         self._validate(native)
         return native
 
-    def _fuse_per_expert(self, state: dict[str, Any]) -> dict[str, Any]:
-        fused, per_expert = {}, {}
-        for key, value in state.items():
-            m = _PER_EXPERT.match(key)
-            if m:
-                per_expert.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = value
+    def plan_from_hf(self, hf_keys) -> dict[str, list[str]]:
+        """For every native key, the HF keys it is built from, in order (one, or 3 * E per-expert keys for a
+        fused expert pair); from the checkpoint's key names alone, so a loader can read one tensor at a time.
+        Missing or unexpected keys raise one ValueError naming them."""
+        hf_keys = list(hf_keys)
+        multimodal = any(k.startswith("model.language_model.") for k in hf_keys)
+        prefix = "model.language_model." if multimodal else "model."
+        renamed, skipped = {}, 0  # native-style name (before fusing and routing) -> HF key
+        for key in hf_keys:
+            if key.startswith(_SKIPPED_PREFIXES):
+                skipped += 1
+            elif key == _LM_HEAD or not key.startswith(prefix):
+                renamed[key] = key  # lm_head, or a stray key that validation reports as unexpected
             else:
-                fused[key] = value
-        num_experts = self.args.num_experts
+                renamed[key[len(prefix) :]] = key
+        if skipped:
+            logger.info("skipped %d vision / multi-token-prediction tensors not used by the text model", skipped)
+
+        plan = {}
+        per_expert = {}
+        for name, hf_key in renamed.items():
+            m = _PER_EXPERT.match(name)
+            if m:
+                per_expert.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = hf_key
+            else:
+                plan[route_fp32_holder_key(name)] = [hf_key]
         for base, parts in per_expert.items():
-            missing = [
-                f"{base}.{e}.{p}.weight"
-                for e in range(num_experts)
-                for p in ("gate_proj", "up_proj", "down_proj")
-                if (e, p) not in parts
-            ]
-            if missing:
-                raise ValueError(f"checkpoint lacks per-expert keys {_short(missing)}; expected {num_experts} experts")
-            extra = sorted({e for e, _ in parts if e >= num_experts})
-            if extra:
-                raise ValueError(f"checkpoint has experts {extra} under {base}, the model has {num_experts}")
-            fused[f"{base}.gate_up_proj"] = torch.stack(
-                [torch.cat((parts[(e, "gate_proj")], parts[(e, "up_proj")]), dim=0) for e in range(num_experts)]
-            )
-            fused[f"{base}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(num_experts)])
-        return fused
+            plan.update(self._fused_expert_sources(base, parts))
+        if self.args.tie_word_embeddings and _LM_HEAD not in plan and "embed_tokens.weight" in plan:
+            plan[_LM_HEAD] = plan["embed_tokens.weight"]
+        self._validate_keys(plan.keys())
+        return plan
+
+    def _fused_expert_sources(self, base: str, parts: dict[tuple[int, str], str]) -> dict[str, list[str]]:
+        num_experts = self.args.num_experts
+        missing = [f"{base}.{e}.{p}.weight" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
+                   if (e, p) not in parts]
+        if missing:
+            raise ValueError(f"checkpoint lacks per-expert keys {_short(missing)}; expected {num_experts} experts")
+        extra = sorted({e for e, _ in parts if e >= num_experts})
+        if extra:
+            raise ValueError(f"checkpoint has experts {extra} under {base}, the model has {num_experts}")
+        experts = range(num_experts)
+        return {f"{base}.gate_up_proj": [parts[(e, p)] for e in experts for p in ("gate_proj", "up_proj")],
+                f"{base}.down_proj": [parts[(e, "down_proj")] for e in experts]}
+
+    def combine(self, key: str, tensors: list[Any]) -> Any:
+        """The native tensor `key` from the HF tensors `plan_from_hf` named for it: per-expert weights fused
+        ((E, 2I, D) = cat(gate, up) per expert; (E, D, I)), the SSM gate upcast to fp32, otherwise as is."""
+        if len(tensors) > 1 and key.endswith("experts.gate_up_proj"):
+            return torch.stack([torch.cat(tensors[i : i + 2], dim=0) for i in range(0, len(tensors), 2)])
+        if len(tensors) > 1:  # experts.down_proj
+            return torch.stack(tensors)
+        return upcast_gated_delta_net_fp32_state_tensor(key, tensors[0])
+
+    def _validate_keys(self, keys) -> None:
+        expected = self.expected_shapes
+        missing, unexpected = expected.keys() - set(keys), set(keys) - expected.keys()
+        problems = [f"missing keys: {_short(missing)}"] if missing else []
+        problems += [f"unexpected keys: {_short(unexpected)}"] if unexpected else []
+        self._raise(problems)
+
+    def validate_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """ValueError naming every native key whose shape is not the model's."""
+        expected = self.expected_shapes
+        misshaped = [f"{k} {tuple(s)} (expected {expected[k]})" for k, s in shapes.items() if tuple(s) != expected[k]]
+        self._raise([f"wrong shapes: {_short(misshaped)}"] if misshaped else [])
 
     def _validate(self, native: dict[str, Any]) -> None:
-        expected = self.expected_shapes
-        missing = expected.keys() - native.keys()
-        unexpected = native.keys() - expected.keys()
-        misshaped = [
-            f"{k} {tuple(native[k].shape)} (expected {expected[k]})"
-            for k in expected.keys() & native.keys()
-            if tuple(native[k].shape) != expected[k]
-        ]
-        problems = []
-        if missing:
-            problems.append(f"missing keys: {_short(missing)}")
-        if unexpected:
-            problems.append(f"unexpected keys: {_short(unexpected)}")
-        if misshaped:
-            problems.append(f"wrong shapes: {_short(misshaped)}")
+        self._validate_keys(native.keys())
+        self.validate_shapes({k: tuple(v.shape) for k, v in native.items()})
+
+    def _raise(self, problems: list[str]) -> None:
         if problems:
             raise ValueError(
                 "checkpoint does not match the Qwen3.5-MoE model "

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint import export_hf
+from harness.hf_weights import export_hf
 from harness.tokenizer import ByteTokenizer
 from models.qwen35_moe import from_pretrained, get_flavor
 from tests.builders import initialized_model
@@ -105,7 +105,7 @@ def test_export_generates_on_cpu_with_our_weights(tmp_path, cpu_transformers):
     and greedy decoding (transformers' cached recurrent path) gives the argmax continuation of our native model."""
     args = get_flavor("debugmodel")
     model = initialized_model(args, seed=3)
-    export_hf(model, args, str(tmp_path / "hf"), torch.float32, rank=0, tokenizer=ByteTokenizer())
+    export_hf(model, args, str(tmp_path / "hf"), torch.float32, tokenizer=ByteTokenizer())
     _assert_generates(tmp_path / "hf", compare_with_native=True)
 
 

@@ -12,7 +12,7 @@ import unicodedata
 import pytest
 import torch
 
-from harness.checkpoint import export_hf
+from harness.hf_weights import export_hf
 from harness.tokenizer import ByteTokenizer, HFTokenizer
 from models.qwen35_moe import get_flavor
 from tests.builders import initialized_model
@@ -45,7 +45,7 @@ def model_and_args():
 
 def _export(model_and_args, folder, tokenizer):
     model, args = model_and_args
-    export_hf(model, args, str(folder), torch.float32, rank=0, tokenizer=tokenizer)
+    export_hf(model, args, str(folder), torch.float32, tokenizer=tokenizer)
     return folder
 
 
@@ -204,8 +204,8 @@ def test_export_files_are_0644_and_folders_0755_less_the_umask(model_and_args, t
     with umask(0o027):
         folder = _export(model_and_args, tmp_path / "hf", HFTokenizer(str(tmp_path / "tok")))
     assert sorted(p.name for p in folder.iterdir()) == [
-        "additional_chat_templates", "chat_template.jinja", "config.json", "model.safetensors",
-        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+        "additional_chat_templates", "chat_template.jinja", "config.json", "generation_config.json",
+        "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
     for path in folder.rglob("*"):
         expected = 0o750 if path.is_dir() else 0o640  # 0755 / 0644 less umask 027: the group reads, others don't
         assert stat.S_IMODE(path.stat().st_mode) == expected, path.name
@@ -216,7 +216,7 @@ def test_export_files_are_readable_by_all_under_the_usual_umask(model_and_args, 
     with umask(0o022):
         folder = _export(model_and_args, tmp_path / "hf", ByteTokenizer())
     assert sorted(p.name for p in folder.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     for path in folder.iterdir():
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & stat.S_IRGRP and mode & stat.S_IROTH, f"{path.name}: {oct(mode)}"

@@ -143,11 +143,6 @@ def test_hf_export_at_end_loads_in_transformers_with_our_logits(tmp_path, monkey
     assert diff < 1e-4
 
 
-def test_checkpoint_enable_is_refused_until_available(tmp_path, capsys):
-    assert main(["--config", CONFIG, "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.enable", "true"]) == 2
-    assert "checkpoint.enable" in capsys.readouterr().err
-
-
 def test_validation_loss_is_the_token_mean_over_the_same_held_out_rows_each_time(tmp_path):
     """The validator's loss equals cross entropy summed by hand over the first `steps` batches of the validation
     set (reached through the loader, so the same rows), and two validations see the same rows."""

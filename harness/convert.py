@@ -1,0 +1,92 @@
+"""Offline DCP -> Hugging Face conversion of one checkpoint step, in one CPU process (no torchrun, no GPU).
+
+    python -m harness.convert <dump_folder>/checkpoint/step-N <hf_out_dir> [--dtype bfloat16] [--max-shard-gib 5]
+
+Reads the model weights only (never the optimizer state), one tensor at a time, and writes each to its output
+shard as it comes: memory stays at a few times the largest tensor (DCP reads a tensor's bytes, then builds it),
+whatever the shard size (5 GiB by default). The model's config.json and the tokenizer files come from the step's hf/ folder,
+which the trainer writes beside every checkpoint. The output is the end-of-run export's layout and bytes:
+the same shard plan, names, dtypes (A_log, dt_bias and the GDN norm in F32) and metadata.
+Exit codes: 0 done, 2 bad input (one `error:` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
+from models.qwen35_moe.state_dict_adapter import hf_export_dtype
+
+from .hf_weights import write_hf_folder
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConvertError(ValueError):
+    """Bad input: the message names the folder or file at fault."""
+
+
+def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gib: float = 5.0) -> Path:
+    step_dir = Path(step_dir)
+    meta_dir = step_dir / "hf"
+    if not (step_dir / ".metadata").is_file():
+        hint = " (it holds step-N folders: name one of them)" if any(step_dir.glob("step-*")) else ""
+        raise ConvertError(f"{step_dir} is not a DCP checkpoint step folder: it has no .metadata{hint}")
+    if not (meta_dir / "config.json").is_file():
+        raise ConvertError(f"{meta_dir / 'config.json'} is missing: the trainer writes it beside every checkpoint; "
+                           "was this folder saved by another program?")
+    config = json.loads((meta_dir / "config.json").read_text())
+    args = Qwen35MoeArgs.from_hf_config(config)  # bos / eos ids included
+    export_dtype = DTYPES[dtype or config.get("dtype", "bfloat16")]
+    adapter = Qwen35MoeStateDictAdapter(args)
+
+    saved = {key[len("model."):]: md for key, md in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(md, "size")}
+    native_of = {adapter.to_hf_key(k): k for k in saved if adapter.to_hf_key(k) is not None}
+    specs = {h: (hf_export_dtype(h, export_dtype), tuple(saved[k].size)) for h, k in native_of.items()}
+
+    def fetch(keys: list[str], keep: bool):
+        for h in keys:  # one tensor at a time: DCP reads only it (never the optimizer state)
+            md = saved[native_of[h]]
+            wanted = {f"model.{native_of[h]}": torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+            dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
+            yield h, wanted.popitem()[1].to(specs[h][0])
+
+    def extra_files(tmp: Path) -> None:  # tokenizer and generation config, as the run exported them
+        for path in meta_dir.iterdir():
+            if path.name != "config.json":
+                (shutil.copytree if path.is_dir() else shutil.copy2)(path, tmp / path.name)
+
+    write_hf_folder(out_dir, args, export_dtype, specs, fetch, extra_files, max_shard_bytes=int(max_shard_gib * 1024**3))
+    return Path(out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("step_dir", help="a checkpoint step folder, <dump_folder>/checkpoint/step-N")
+    parser.add_argument("out_dir", help="the Hugging Face folder to write (replaced if it exists)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="export dtype (default: the run's checkpoint.export_dtype)")
+    parser.add_argument("--max-shard-gib", type=float, default=5.0, help="largest output shard (default 5)")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.step_dir, args.out_dir, args.dtype, args.max_shard_gib)
+    except (ConvertError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Hugging Face weights in and out of a (possibly sharded) run, one tensor at a time.
+
+- `load_hf_weights`: every rank plans from the checkpoint's headers (keys, shapes: cheap, and the same errors on
+  every rank); rank 0 alone reads the tensors, one native tensor at a time (per-expert checkpoints fused one
+  tensor at a time), and scatters it: each rank keeps its shard. Peak host memory per rank: about one tensor,
+  whatever the checkpoint's size or the number of ranks.
+- `export_hf` / `write_hf_folder`: the official sharded layout (model-0000i-of-0000n.safetensors + index,
+  shards of at most 5 GiB planned from names and sizes alone). Shard i is written by rank i % W: for each of
+  its tensors every rank takes part in gathering the full tensor, the owner keeps it until its shard is
+  written. Peak host memory per rank: about one shard. Rank 0 then writes config.json, generation_config.json
+  and the tokenizer, the index last, and renames the folder into place. The offline converter
+  (harness/convert.py) writes through the same function from a DCP checkpoint, so both give the same files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
+from models.qwen35_moe.hf_checkpoint import (
+    MAX_SHARD_BYTES,
+    HFCheckpointReader,
+    fresh_temporary_folder,
+    plan_shards,
+    publish_hf_folder,
+    shard_names,
+    write_shard,
+)
+from models.qwen35_moe.init import canonical_name
+from models.qwen35_moe.state_dict_adapter import hf_export_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():  # NCCL: name the device, or torch warns that it guesses
+        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
+    """Set the model's weights (sharded or not) from an HF checkpoint folder, one tensor at a time."""
+    rank, _ = _rank_world()
+    adapter = Qwen35MoeStateDictAdapter(args)
+    reader = HFCheckpointReader(path)
+    plan = adapter.plan_from_hf(reader.keys())
+    adapter.validate_shapes({key: _combined_shape(key, [reader.shape(h) for h in sources])
+                             for key, sources in plan.items()})
+    params = {canonical_name(name): p for name, p in model.named_parameters()}
+    for key, param in params.items():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if rank == 0:
+            full = adapter.combine(key, [reader.read(h) for h in plan[key]]).to(local.device, param.dtype)
+        else:
+            full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+        if isinstance(param, DTensor):  # rank 0's tensor, scattered: each rank receives its own shard
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local()
+        local.copy_(full)
+    logger.info("initialised weights from HF checkpoint %s", path)
+
+
+def _combined_shape(key: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape `combine` gives from tensors of these shapes (without reading them)."""
+    if len(shapes) > 1 and key.endswith("experts.gate_up_proj"):
+        return (len(shapes) // 2, shapes[0][0] + shapes[1][0], *shapes[0][1:])
+    if len(shapes) > 1:
+        return (len(shapes), *shapes[0])
+    return shapes[0]
+
+
+def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
+                    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                    fetch: Callable[[list[str], bool], Iterable[tuple[str, torch.Tensor | None]]],
+                    extra_files: Callable[[Path], None] | None = None,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write an HF folder shard by shard; called by every rank alike (`specs`: export dtype and shape of every
+    HF key). `fetch(keys, keep)` yields (key, tensor) for those HF keys, in sorted order and export dtype, one at
+    a time: the tensor where `keep` (the shard's owner, who writes it to disk at once), None elsewhere. It may
+    run collectives: every rank consumes it whole, in the same order."""
+    rank, world = _rank_world()
+    shards = plan_shards(specs, max_shard_bytes)
+    tmp = Path(folder).with_name(Path(folder).name + ".tmp")
+    if rank == 0:
+        fresh_temporary_folder(folder)
+    _barrier()
+    for i, (name, keys) in enumerate(zip(shard_names(len(shards)), shards)):
+        tensors = fetch(sorted(keys), i % world == rank)
+        if i % world == rank:
+            write_shard(tmp / name, {k: specs[k] for k in keys}, tensors)
+        else:
+            for _ in tensors:  # take part in the collectives that gather the owner's tensors
+                pass
+    _barrier()
+    if rank == 0:
+        publish_hf_folder(tmp, folder, args, dtype, shards, specs, extra_files)
+    _barrier()
+
+
+def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write the (possibly sharded) model as a Hugging Face folder, every rank writing its share of the shards.
+
+    With `tokenizer` (the one the run trained with), the folder also holds its tokenizer files, config.json
+    and generation_config.json carry its BOS / EOS ids, so `AutoTokenizer` and `generate` work on it as it is."""
+    adapter = Qwen35MoeStateDictAdapter(args)
+    state = {canonical_name(k): v for k, v in model.state_dict().items()}
+    native_of = {adapter.to_hf_key(k): k for k in state if adapter.to_hf_key(k) is not None}
+    specs = {h: (hf_export_dtype(h, dtype), tuple(state[k].shape)) for h, k in native_of.items()}
+
+    def fetch(keys: list[str], keep: bool):
+        for hf_key in keys:
+            tensor = state[native_of[hf_key]]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
+            yield hf_key, full.detach().to("cpu", hf_export_dtype(hf_key, dtype)) if keep else None
+
+    args, extra_files = with_tokenizer(args, tokenizer)
+    write_hf_folder(folder, args, dtype, specs, fetch, extra_files, max_shard_bytes)
+    logger.info("exported Hugging Face checkpoint to %s", os.path.abspath(folder))
+
+
+def with_tokenizer(args: Qwen35MoeArgs, tokenizer) -> tuple[Qwen35MoeArgs, Callable[[Path], None] | None]:
+    """The model args with the tokenizer's BOS / EOS ids, and the writer of its files (+ generation config)."""
+    if tokenizer is None:
+        return args, None
+    args = dataclasses.replace(args, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+
+    def extra_files(tmp: Path) -> None:
+        tokenizer.save_pretrained(tmp)
+        generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+    return args, extra_files
+
+
+def write_hf_meta(folder: str | Path, args: Qwen35MoeArgs, export_dtype: str,
+                  extra_files: Callable[[Path], None] | None) -> None:
+    """config.json (+ the tokenizer and generation config) of an export, into `folder`: what a DCP checkpoint
+    keeps beside its weights so the offline converter writes the same folder as the end-of-run export."""
+    folder = Path(folder)
+    (folder / "config.json").write_text(json.dumps(args.to_hf_config(export_dtype), indent=2) + "\n")
+    if extra_files is not None:
+        extra_files(folder)

@@ -1,0 +1,33 @@
+"""Worker for test_hf_load: build the debug model through the trainer with checkpoint.initial_load_hf (rank 0
+reads, every rank keeps its shard) and save the full weights from rank 0."""
+
+import os
+import sys
+
+import torch
+
+from harness.config import load_config
+from harness.trainer import Trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(out_path: str, hf_folder: str) -> None:
+    cfg = load_config([
+        "--config", os.path.join(REPO, "train_configs", "debug_model.toml"),
+        "--training.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
+        "--training.seq_len", "64", "--metrics.enable_tensorboard", "false",
+        "--job.dump_folder", os.path.join(os.path.dirname(out_path), "dump"),
+        "--checkpoint.initial_load_hf", hf_folder,
+    ])
+    trainer = Trainer(cfg)
+    weights = {}
+    for name, p in trainer.model.state_dict().items():
+        weights[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    if trainer.rank == 0:
+        torch.save(weights, out_path)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,99 @@
+"""Checkpoints across processes, through run_train.sh as a user runs it (FSDP over 2 gloo ranks on CPU):
+SIGTERM mid-run then relaunch equals the uninterrupted run bit for bit; a checkpoint saved by 2 ranks resumes
+on 1 and the reverse; Ctrl-C stops with one line, after saving."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FLAGS = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+         "--training.steps", "8", "--training.deterministic", "true", "--metrics.log_freq", "1",
+         "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0"]
+
+
+def launch(dump: Path, ngpu: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "NGPU": str(ngpu), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([str(REPO / "run_train.sh"), *FLAGS, "--job.dump_folder", str(dump), *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run(dump: Path, ngpu: int, *extra: str) -> subprocess.CompletedProcess:
+    proc = launch(dump, ngpu, *extra)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def signal_after_step(dump: Path, ngpu: int, step: int, signum: int) -> subprocess.CompletedProcess:
+    """Launch, and when `step` is logged send `signum` to every process of the job (as SLURM does)."""
+    proc = launch(dump, ngpu)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if f"step {step}/8" in line:
+            os.killpg(proc.pid, signum)
+            break
+    rest, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out) + rest, err)
+
+
+def losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """8 steps on 2 ranks and on 1, each saving at steps 4 and 8."""
+    tmp = tmp_path_factory.mktemp("resume")
+    for ngpu in (1, 2):
+        run(tmp / f"ref{ngpu}", ngpu, "--checkpoint.interval", "4")
+    return tmp
+
+
+def test_sigterm_saves_exits_0_and_the_relaunch_equals_the_uninterrupted_run_bitwise(uninterrupted, tmp_path):
+    stopped = signal_after_step(tmp_path, 2, 3, signal.SIGTERM)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    lines = [line for line in stopped.stderr.splitlines() if "stopped on SIGTERM" in line]
+    assert len(lines) == 1 and "saved checkpoint" in lines[0], stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "error:" not in stopped.stderr
+    resumed = run(tmp_path, 2)
+    assert "resumed from checkpoint" in resumed.stderr
+    assert losses(tmp_path) == losses(uninterrupted / "ref2")  # every step, to the last bit
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(uninterrupted, tmp_path, saved_by, resumed_by):
+    ref = uninterrupted / f"ref{saved_by}"
+    shutil.copytree(ref, tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-8")  # as if the job had died after step 4's save
+    result = run(tmp_path / "run", resumed_by, "--checkpoint.interval", "4")
+    assert "resumed from checkpoint" in result.stderr and f"saved by {saved_by} ranks, resumed by {resumed_by}" in result.stderr
+    want, got = losses(ref), losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 9))
+    for step in range(5, 9):  # the same weights, optimizer and rows; other summation order: ~1e-7 relative
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+def test_async_saves_on_two_ranks_change_nothing_and_complete(uninterrupted, tmp_path):
+    run(tmp_path, 2, "--checkpoint.interval", "4", "--checkpoint.async_mode", "async")
+    assert losses(tmp_path) == losses(uninterrupted / "ref2")
+    assert sorted(p.parent.name for p in (tmp_path / "checkpoint").glob("step-*/COMPLETE")) == ["step-4", "step-8"]
+
+
+def test_ctrl_c_saves_and_stops_with_one_line(tmp_path):
+    stopped = signal_after_step(tmp_path, 2, 2, signal.SIGINT)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    lines = [line for line in stopped.stderr.splitlines() if "interrupted at step" in line]
+    assert len(lines) == 1 and "saved checkpoint" in lines[0]
+    assert "Traceback" not in stopped.stderr
+    assert any((tmp_path / "checkpoint").glob("step-*/COMPLETE"))
