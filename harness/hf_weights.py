@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -116,6 +117,7 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
 
     With `tokenizer` (the one the run trained with), the folder also holds its tokenizer files, config.json
     and generation_config.json carry its BOS / EOS ids, so `AutoTokenizer` and `generate` work on it as it is."""
+    started = time.perf_counter()
     adapter = Qwen35MoeStateDictAdapter(args)
     state = {canonical_name(k): v for k, v in model.state_dict().items()}
     native_of = {adapter.to_hf_key(k): k for k in state if adapter.to_hf_key(k) is not None}
@@ -129,7 +131,8 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
 
     args, extra_files = with_tokenizer(args, tokenizer)
     write_hf_folder(folder, args, dtype, specs, fetch, extra_files, max_shard_bytes)
-    logger.info("exported Hugging Face checkpoint to %s", os.path.abspath(folder))
+    logger.info("exported Hugging Face checkpoint to %s in %.1f s", os.path.abspath(folder),
+                time.perf_counter() - started)
 
 
 def with_tokenizer(args: Qwen35MoeArgs, tokenizer) -> tuple[Qwen35MoeArgs, Callable[[Path], None] | None]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
+from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
 
 from .hf_weights import load_hf_weights
@@ -32,26 +32,30 @@ def build_model_args(cfg: JobConfig, vocab_size: int) -> Qwen35MoeArgs:
     return args
 
 
-def build_model(cfg: JobConfig, args: Qwen35MoeArgs, mesh: DeviceMesh | None, device: torch.device,
+def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
                 load_hf: bool = True) -> Qwen35MoeModel:
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
     if device.type == "cuda":
         require_fla()
     if device.type == "cuda" and cfg.model.fla_hopper_backward == "auto":
-        enable_fla_hopper_backward(args.linear_num_key_heads, args.linear_num_value_heads,
+        cp = cfg.parallelism.context_parallel_degree  # under CP each rank runs the kernel on 1/cp of the heads
+        enable_fla_hopper_backward(args.linear_num_key_heads // cp, args.linear_num_value_heads // cp,
                                    args.linear_key_head_dim, args.linear_value_head_dim, device)
     elif device.type == "cuda":
         refuse_fla_hopper_backward()
-    # CPU runs compute in fp32: bf16 matmuls are slow there and the debug model is tiny.
-    param_dtype = DTYPES[cfg.training.mixed_precision_param] if device.type == "cuda" else torch.float32
-    parallelize_qwen35_moe(model, mesh, param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
-                           ac_mode=cfg.activation_checkpoint.mode, compile=cfg.compile.enable)
+    # CPU runs compute in the parameters' own dtype (fp32): bf16 matmuls are slow there, the debug model is tiny.
+    on_gpu = device.type == "cuda"
+    parallelize_qwen35_moe(model, meshes.fsdp if meshes else None,
+                           param_dtype=DTYPES[cfg.training.mixed_precision_param] if on_gpu else None,
+                           reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce] if on_gpu else None,
+                           ac_mode=cfg.activation_checkpoint.mode, compile=cfg.compile.enable,
+                           cp_mesh=meshes.cp if meshes else None)
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
-                "FSDP" if mesh is not None else "single process", device)
+                "FSDP" if meshes is not None else "single process", device)
     return model

@@ -1,8 +1,8 @@
 """What a run needs, checked before any worker starts: every problem found is named in one ConfigError.
 
 Paths that must exist (dataset, validation set, tokenizer, HF config and checkpoint), a known model flavor,
-a tokenizer that fits the model's vocabulary, and features this build does not have yet (context and expert
-parallelism). Runs without torch
+a tokenizer that fits the model's vocabulary, a context-parallel degree that divides the rows and the Gated
+DeltaNet heads, and features this build does not have yet (expert parallelism). Runs without torch
 (the models' args and flavors are plain Python), so a typo fails in well under a second.
 """
 
@@ -24,18 +24,30 @@ def check_run_requirements(cfg: JobConfig) -> None:
     if cfg.validation.enable:
         problems += _dataset_problems(cfg, "validation")
     args, model_problems = _model_args(cfg)
-    problems += model_problems + _tokenizer_problems(cfg, args)
+    problems += model_problems + _tokenizer_problems(cfg, args) + _context_parallel_problems(cfg, args)
     if problems:
         head = "the run cannot start: " if len(problems) > 1 else ""
         raise ConfigError(head + "; ".join(problems))
 
 
 def _unavailable_features(cfg: JobConfig) -> list[str]:
+    if cfg.parallelism.expert_parallel_degree > 1:
+        return ["parallelism.expert_parallel_degree > 1 is not available in this build yet; set it to 1"]
+    return []
+
+
+def _context_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
+    cp = cfg.parallelism.context_parallel_degree
+    if cp == 1:
+        return []
     problems = []
-    p = cfg.parallelism
-    if p.context_parallel_degree > 1 or p.expert_parallel_degree > 1:
-        problems.append("parallelism.context_parallel_degree and expert_parallel_degree > 1 are not available in "
-                        "this build yet; set them to 1")
+    if cfg.training.seq_len % (2 * cp):
+        problems.append(f"training.seq_len = {cfg.training.seq_len} must be divisible by 2 * "
+                        f"parallelism.context_parallel_degree = {2 * cp} (each rank holds 2 chunks of every row)")
+    if args is not None and (args.linear_num_key_heads % cp or args.linear_num_value_heads % cp):
+        problems.append(f"parallelism.context_parallel_degree = {cp} must divide the Gated DeltaNet key and value "
+                        f"head counts ({args.linear_num_key_heads} and {args.linear_num_value_heads}): each rank "
+                        f"runs the recurrence for its share of the heads")
     return problems
 
 

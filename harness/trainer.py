@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from parallel.context_parallel import shard_zigzag
 from parallel.parallel_dims import ParallelDims
 
 from .checkpoint import Checkpointer, latest_complete_step
@@ -46,7 +47,7 @@ class Trainer:
         self.device = pick_device()
         set_seed(cfg.training.seed, cfg.training.deterministic, self.device)
         init_process_group(self.device, self.dims.world_size)
-        self.mesh = self.dims.build_mesh(self.device.type)
+        self.meshes = self.dims.build_meshes(self.device.type)  # None: one process, no process group
         self.cpu_group = cpu_process_group()  # for the per-step stop check: no GPU sync
         self.stop = StopRequested()
 
@@ -59,20 +60,20 @@ class Trainer:
         self.aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
                               else cfg.training.aux_loss_coef)
         # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all.
-        self.model = build_model(cfg, self.model_args, self.mesh, self.device, load_hf=resume_step is None)
+        self.model = build_model(cfg, self.model_args, self.meshes, self.device, load_hf=resume_step is None)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         s = cfg.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
                                                s.decay_type, s.min_lr_factor)
 
-        dp_rank = self.mesh.get_rank() if self.mesh is not None else 0  # DP-only mesh: rank in it
+        dp_rank = self.meshes.dp_rank if self.meshes is not None else 0  # CP ranks of one DP rank: same rows
         t = cfg.training
         cache_dir = t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache")
         self.dataloader = build_dataloader(
             t.dataset, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
             dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir)
-        self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device)
-                          if cfg.validation.enable else None)
+        self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
+                                    self.shard_rows) if cfg.validation.enable else None)
         self.step, tb_run = 0, None
         self.checkpointer = None
         if ckpt.enable:
@@ -103,10 +104,19 @@ class Trainer:
             f.write(text)
         logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
+    def shard_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's share of a data-parallel rank's rows: all of them, or its zigzag chunks under CP."""
+        if self.dims.cp == 1:
+            return batch
+        rank = self.meshes.cp.get_local_rank()
+        return {key: shard_zigzag(value, self.dims.cp, rank) for key, value in batch.items()}
+
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """One optimizer step over the global batch; returns the global loss, balance loss and grad norm."""
+        """One optimizer step over the global batch (this data-parallel rank's rows); returns the global loss,
+        balance loss and grad norm."""
         self.optimizer.zero_grad(set_to_none=True)
-        distributed = self.mesh is not None
+        microbatches = [self.shard_rows(mb) for mb in microbatches]
+        distributed = self.meshes is not None
         n_tokens = global_label_tokens(microbatches, self.device, distributed)
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
@@ -114,9 +124,9 @@ class Trainer:
             out = self.model(mb["input_ids"].to(self.device), mb["position_ids"].to(self.device))
             ce = cross_entropy_share(out.logits, mb["labels"].to(self.device), n_tokens)
             aux = balance_loss_share(out.router_stats, distributed) / len(microbatches)
-            # Shares of the global loss; FSDP averages gradients over the data-parallel ranks, so scale by their
-            # number to get the gradient of the global loss (the sum of the shares').
-            ((ce + self.aux_loss_coef * aux) * self.dims.dp).backward()
+            # Shares of the global loss; FSDP averages gradients over all ranks (dp_replicate x dp_shard x cp), so
+            # scale by their number to get the gradient of the global loss (the sum of the shares').
+            ((ce + self.aux_loss_coef * aux) * self.dims.world_size).backward()
             ce_total += ce.detach()
             aux_total += aux.detach()
         losses = torch.stack((ce_total, aux_total))
@@ -140,7 +150,7 @@ class Trainer:
         cfg = self.cfg
         accum = self.layout.grad_accum_steps
         data = iter(self.dataloader)
-        tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum
+        tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum // self.dims.cp
         window_tokens, window_start = 0, time.perf_counter()
         self.model.train()
         try:

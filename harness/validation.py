@@ -21,10 +21,11 @@ from .loss import cross_entropy_share
 
 class Validator:
     def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_world_size: int, cache_dir: str,
-                 device: torch.device):
+                 device: torch.device, shard_rows=lambda batch: batch):
+        """`shard_rows`: this rank's share of a batch's rows (its zigzag chunks under context parallelism)."""
         v, t = cfg.validation, cfg.training
         self.steps = None if v.steps == -1 else v.steps
-        self.device = device
+        self.device, self.shard_rows = device, shard_rows
         self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
                                        t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                        cache_dir=cache_dir, infinite=False)
@@ -39,6 +40,7 @@ class Validator:
         tokens = torch.zeros((), device=self.device)
         self.loader.load_state_dict(self.start)
         for batch in itertools.islice(self.loader, self.steps):
+            batch = self.shard_rows(batch)
             labels = batch["labels"].to(self.device)
             out = model(batch["input_ids"].to(self.device), batch["position_ids"].to(self.device))
             loss_sum += cross_entropy_share(out.logits, labels, torch.ones((), device=self.device))

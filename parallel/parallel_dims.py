@@ -1,11 +1,13 @@
-"""Parallel degrees of a run and the device mesh built from them.
+"""Parallel degrees of a run and the device meshes built from them.
 
-    dims = ParallelDims.resolve(dp_replicate=1, dp_shard=-1, cp=1, ep=1, world_size=8)
-    mesh = dims.build_mesh("cuda")   # None for a single CPU process
+    dims = ParallelDims.resolve(dp_replicate=1, dp_shard=-1, cp=2, ep=1, world_size=8)
+    meshes = dims.build_meshes("cuda")   # None for a single CPU process
 
-Mesh dimensions, outermost first: dp_replicate (HSDP replicas) x dp_shard (FSDP shards). Context and expert
-parallelism are validated here already (cp joins the mesh, ep is carved out of dp_shard x cp) so a config is
-checked once, whatever this build runs.
+Mesh dimensions, outermost first: dp_replicate (HSDP replicas) x dp_shard (FSDP shards) x cp (context
+parallel: the ranks that split each row; innermost, so they are neighbours, on one node where they fit).
+FSDP shards parameters over dp_shard x cp (flattened into one dimension) and replicates them over
+dp_replicate. Data parallelism is dp_replicate x dp_shard: CP ranks of one data-parallel rank read the same
+rows. Expert parallelism is validated here already (carved out of dp_shard x cp), not built yet.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch loads only when a mesh is built: config validation stays import-light
     from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class Meshes:
+    world: DeviceMesh  # (dp_replicate, dp_shard, cp)
+    fsdp: DeviceMesh  # what fully_shard takes: (dp_shard_cp,) or (dp_replicate, dp_shard_cp) for HSDP
+    cp: DeviceMesh | None  # the CP group of this rank (None without context parallelism)
+    dp_rank: int  # this rank's data-parallel index: which rows it reads
 
 
 @dataclass(frozen=True)
@@ -56,14 +66,16 @@ class ParallelDims:
         """Data-parallel degree: ranks that read different rows."""
         return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The FSDP mesh over the initialised default process group (None without one: a single CPU process)."""
+    def build_meshes(self, device_type: str) -> Meshes | None:
+        """The meshes over the initialised default process group (None without one: a single CPU process)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             return None
-        if self.dp_replicate == 1:
-            return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
+        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp),
+                                 mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+        shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        fsdp = shard_cp if self.dp_replicate == 1 else world["dp_replicate", "dp_shard_cp"]
+        dp_rank = world["dp_replicate"].get_local_rank() * self.dp_shard + world["dp_shard"].get_local_rank()
+        return Meshes(world, fsdp, world["cp"] if self.cp > 1 else None, dp_rank)

@@ -1,5 +1,6 @@
-"""Applies activation checkpointing, compile and FSDP2 to a Qwen3.5-MoE model, in that fixed order
-(AC and compile wrap each block before FSDP groups the blocks' parameters)."""
+"""Applies context parallelism, activation checkpointing, compile and FSDP2 to a Qwen3.5-MoE model, in that fixed
+order (CP only attaches its exchanges to the mixers; AC and compile wrap each block before FSDP groups the
+blocks' parameters)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,24 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from models.qwen35_moe.attention import GatedAttention
 from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
+from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet
+
+from .context_parallel import CPContext
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Attach the CP group's exchanges to the model (which learns the whole rows' documents once per forward)
+    and to every mixer: Gated DeltaNet goes head-parallel, attention gathers keys and values. Every other
+    module works token by token and needs nothing."""
+    context = CPContext(cp_mesh)
+    model._cp = context
+    for module in model.modules():
+        if isinstance(module, CPAwareGatedDeltaNet):
+            module._cp_mesh, module._cp = cp_mesh, context
+        elif isinstance(module, GatedAttention):
+            module._cp = context
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -37,7 +55,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     Their inputs are not cast (they upcast internally and return the caller's dtype).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # No cast: these units all-gather, compute and reduce in their parameters' own dtype, fp32 by contract.
+    fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
     for layer in model.layers.values():
         for module in layer.modules():
             if isinstance(module, Fp32ParamsModule):
@@ -47,7 +66,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
 
 
 def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype,
-                           reduce_dtype: torch.dtype, ac_mode: str, compile: bool) -> nn.Module:
+                           reduce_dtype: torch.dtype, ac_mode: str, compile: bool,
+                           cp_mesh: DeviceMesh | None = None) -> nn.Module:
+    """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
+    context-parallel group, None without context parallelism."""
+    if cp_mesh is not None:
+        apply_context_parallel(model, cp_mesh)
     apply_activation_checkpointing(model, ac_mode)
     if compile:
         apply_compile(model)

@@ -22,6 +22,13 @@ class DocumentLayout:
     cu_seqlens: torch.Tensor | None = None  # (N + 1,) int32, over the flattened B * S tokens
     max_seqlen: int = 0  # longest document, for varlen attention kernels
     document_ids: torch.Tensor | None = None  # (B, S) index of the document within its row
+    # Under context parallelism the rows are split over ranks: position_ids above are this rank's tokens',
+    # `global_layout` is the layout of the whole rows and `token_index` (S_local,) where this rank's tokens sit.
+    global_layout: DocumentLayout | None = None
+    token_index: torch.Tensor | None = None
+    # Varlen attention segments of this rank's queries (context_parallel_segments), built by the first attention
+    # layer that needs them and shared by the others.
+    cp_segments: ContextParallelSegments | None = None
 
     @property
     def is_packed(self) -> bool:
@@ -46,3 +53,56 @@ def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int,
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     document_ids = starts.cumsum(dim=1)
     return DocumentLayout(position_ids, cu_seqlens, max_seqlen, document_ids)
+
+
+def context_parallel_layout(position_ids: torch.Tensor, global_position_ids: torch.Tensor,
+                            token_index: torch.Tensor) -> DocumentLayout:
+    """The layout of this rank's share of the rows (position_ids, B x S_local) under context parallelism, given
+    the whole rows' position ids (B x S) and where the local tokens sit in a row."""
+    batch, seq = global_position_ids.shape
+    whole = document_layout(global_position_ids, batch, seq, global_position_ids.device)
+    return DocumentLayout(position_ids=position_ids, global_layout=whole, token_index=token_index)
+
+
+@dataclass
+class ContextParallelSegments:
+    """This rank's queries under context parallelism cut into varlen segments for a flash kernel.
+
+    A segment is the run of local tokens of one document inside one zigzag chunk; its keys are that document's
+    tokens from its start up to the segment's last query (positions in the whole rows). With the segment's queries
+    the last of its keys, a causal mask aligned to the bottom right (flash attention's for unequal lengths) is
+    exactly "causal within the document"."""
+    cu_seqlens_q: torch.Tensor  # (N + 1,) int32, over the flattened B * S_local local tokens
+    cu_seqlens_k: torch.Tensor  # (N + 1,) int32, over the gathered keys below
+    key_index: torch.Tensor  # (total_k,) indices into the flattened B * S whole-row keys, segment after segment
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def context_parallel_segments(layout: DocumentLayout) -> ContextParallelSegments:
+    """Build the varlen segments of a context-parallel layout (one host sync for the sizes)."""
+    whole, index = layout.global_layout, layout.token_index
+    batch, seq = whole.position_ids.shape
+    local = index.numel()
+    device = index.device
+    positions = torch.arange(seq, device=device)
+    starts = whole.position_ids == 0
+    starts[:, 0] = True
+    doc_start = torch.cummax(torch.where(starts, positions, 0), dim=1).values  # (B, S) row position of its doc's start
+    # A segment starts at each row's first local token, where the local tokens jump (a chunk edge), and at each
+    # document start.
+    jump = torch.ones(local, dtype=torch.bool, device=device)
+    jump[1:] = index[1:] != index[:-1] + 1
+    seg_start = (jump.unsqueeze(0) | starts[:, index]).reshape(-1).nonzero().squeeze(-1)  # over B * S_local
+    total_q = torch.tensor([batch * local], device=device)
+    cu_q = torch.cat((seg_start, total_q))
+    len_q = cu_q[1:] - cu_q[:-1]
+    row, first = seg_start // local, seg_start % local
+    key_start = doc_start[row, index[first]]  # row position of the segment's document start
+    key_end = index[first + len_q - 1] + 1  # one past the segment's last query
+    len_k = key_end - key_start
+    cu_k = torch.cat((len_k.new_zeros(1), len_k.cumsum(0)))
+    total_k, max_q, max_k = torch.stack((cu_k[-1], len_q.max(), len_k.max())).tolist()
+    key_index = torch.repeat_interleave(row * seq + key_start - cu_k[:-1], len_k, output_size=total_k)
+    key_index = key_index + torch.arange(total_k, device=device)
+    return ContextParallelSegments(cu_q.to(torch.int32), cu_k.to(torch.int32), key_index, max_q, max_k)

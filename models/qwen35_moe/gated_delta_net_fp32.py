@@ -92,17 +92,23 @@ def upcast_gated_delta_net_fp32_state_tensor(key: str, tensor: torch.Tensor) -> 
     return tensor
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or the given dtype when it is wider (a float64 reference run keeps everything in float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class Fp32ParamsModule(nn.Module):
-    """A module whose floating parameters stay fp32 through any `.to(dtype)`, `.half()` or `to_empty()` of the
-    model (all funnel through `_apply`): the device follows, the precision never drops. Used by the SSM
-    gate and the GDN output norm."""
+    """A module whose floating parameters stay at least fp32 through any `.to(dtype)`, `.half()` or `to_empty()`
+    of the model (all funnel through `_apply`): the device follows, the precision never drops below fp32.
+    Used by the SSM gate and the GDN output norm; they are created in at_least_fp32(default dtype)."""
 
     def _apply(self, fn, recurse=True):
         def keep_fp32(t: torch.Tensor) -> torch.Tensor:
             out = fn(t)
-            if not out.is_floating_point() or out.dtype == torch.float32:
+            if not out.is_floating_point() or torch.finfo(out.dtype).bits >= 32:
                 return out
-            # A dtype conversion: take only its device, from the original values (no rounding trip).
-            return out.float() if t.is_meta or out.is_meta else t.to(device=out.device, dtype=torch.float32)
+            # A lowering dtype conversion: take only its device, from the original values (no rounding trip).
+            dtype = at_least_fp32(t.dtype)
+            return out.to(dtype) if t.is_meta or out.is_meta else t.to(device=out.device, dtype=dtype)
 
         return super()._apply(keep_fp32, recurse)

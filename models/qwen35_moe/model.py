@@ -18,7 +18,7 @@ from torch import nn
 
 from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
-from .documents import DocumentLayout, document_layout
+from .documents import DocumentLayout, context_parallel_layout, document_layout
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .init import init_weights
 from .moe import RouterStats, SparseMoE, load_balancing_loss
@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         if self.layer_type == FULL_ATTENTION:
             h = h + self.self_attn(x, layout)
         else:
-            h = h + self.linear_attn(x, layout.cu_seqlens)
+            h = h + self.linear_attn(x, layout)
         moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
         return h + moe_out, counts, prob_sums
 
@@ -72,6 +72,7 @@ class Qwen35MoeModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._cp = None  # context parallelism's exchanges, attached by the parallelize function
 
     def init_weights(self, seed: int = 0) -> None:
         """HF-like init (rules in init.py), drawn per parameter from (seed, name): the same weights for the
@@ -84,7 +85,13 @@ class Qwen35MoeModel(nn.Module):
         batch, seq = input_ids.shape
         # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
         # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
-        layout = document_layout(position_ids, batch, seq, input_ids.device)
+        if self._cp is None:
+            layout = document_layout(position_ids, batch, seq, input_ids.device)
+        else:  # this rank holds its zigzag share of each row: learn the whole rows' documents (integers only)
+            if position_ids is None:
+                raise ValueError("under context parallelism position_ids are required (this rank's share of them)")
+            whole = self._cp.gather_positions(position_ids)
+            layout = context_parallel_layout(position_ids, whole, self._cp.token_index(whole.shape[1], whole.device))
 
         h = self.embed_tokens(input_ids)
         counts, prob_sums = [], []

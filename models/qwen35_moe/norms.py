@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_delta_net_fp32 import Fp32ParamsModule
+from .gated_delta_net_fp32 import Fp32ParamsModule, at_least_fp32
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
+    x = x.to(at_least_fp32(x.dtype))
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -23,7 +23,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
+        y = _rms_normalize(x, self.eps)
+        return (y * (1.0 + self.weight.to(y.dtype))).type_as(x)
 
 
 class GatedRMSNorm(Fp32ParamsModule):
@@ -34,8 +35,9 @@ class GatedRMSNorm(Fp32ParamsModule):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(dim, dtype=at_least_fp32(torch.get_default_dtype())))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = _rms_normalize(x, self.eps) * self.weight.float() * F.silu(gate.float())
+        y = _rms_normalize(x, self.eps)
+        y = y * self.weight.to(y.dtype) * F.silu(gate.to(y.dtype))
         return y.type_as(x)

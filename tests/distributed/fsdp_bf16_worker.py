@@ -29,21 +29,25 @@ def main(out_path: str) -> None:
 
     record = {"forward": {}, "grads": {}, "rope": []}
 
+    def note(key, p):
+        record["forward"][key] = p.dtype
+        if p.requires_grad:
+            p.register_hook(lambda g: record["grads"].__setitem__(key, g.dtype))
+
     def watch(name, module):
         """In forward (after FSDP's all-gather): dtypes of the module's unsharded params, and of their grads."""
-        def hook(mod, inputs):
+        def hook(mod, inputs):  # returns None: a pre-hook's return value would replace the inputs
             for pname, p in mod.named_parameters(recurse=False):
-                key = f"{name}.{pname}"
-                record["forward"][key] = p.dtype
-                if p.requires_grad:
-                    p.register_hook(lambda g, key=key: record["grads"].__setitem__(key, g.dtype))
+                note(f"{name}.{pname}", p)
         module.register_forward_pre_hook(hook)
 
     layer0 = model.layers["0"].linear_attn
     for name, module in model.named_modules():
         if isinstance(module, Fp32ParamsModule):
             watch(name, module)
-    watch("layers.0.linear_attn.in_proj_qkv", layer0.in_proj_qkv)  # a bf16 neighbour, for contrast
+    def bf16_neighbour(mod, inputs):  # for contrast (the layer uses its projections' weights directly)
+        note("layers.0.linear_attn.in_proj_qkv.weight", mod.in_proj_qkv.weight)
+    layer0.register_forward_pre_hook(bf16_neighbour)
 
     def spy_rope(x, cos, sin):
         out = apply_rope(x, cos, sin)

@@ -19,16 +19,35 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+def documents_across_chunk_edges(batch: dict) -> dict:
+    """The loader's rows with documents starting at 10, 30 and 47: inside the 16-token chunks of CP=2 and
+    across their edges; labels masked before each start, as the packer masks them."""
+    starts = (10, 30, 47)
+    positions = torch.arange(64)
+    for s in starts:
+        positions[s:] -= positions[s].clone()
+    batch["position_ids"] = positions.expand_as(batch["input_ids"]).clone()
+    for s in starts:
+        batch["labels"][:, s - 1] = -100
+    return batch
+
+
 def main(out_path: str, *overrides: str) -> None:
+    # float64: the layouts differ only in summation order, which float64 keeps near 1e-16, so any difference
+    # beyond that is a bug. (In fp32 the GDN decay parameters' gradients, sums of nearly cancelling terms,
+    # vary by up to 1e-3 relative between any two summation orders.)
+    torch.set_default_dtype(torch.float64)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    replicas = int(dict(zip(overrides[::2], overrides[1::2])).get("--parallelism.data_parallel_replicate_degree", 1))
+    settings = dict(zip(overrides[::2], overrides[1::2]))
+    replicas = int(settings.get("--parallelism.data_parallel_replicate_degree", 1))
+    cp = int(settings.get("--parallelism.context_parallel_degree", 1))
     cfg = load_config([
         "--config", os.path.join(REPO, "train_configs", "debug_model.toml"),
         "--training.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
-        "--training.seq_len", "64", "--training.local_batch_size", str(GLOBAL_BATCH // world),
+        "--training.seq_len", "64", "--training.local_batch_size", str(GLOBAL_BATCH * cp // world),
         "--training.aux_loss_coef", "0.1",  # on, and large enough to matter in the router gradients
         "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", os.path.join(os.path.dirname(out_path), f"dump_{world}_{replicas}"),
+        "--job.dump_folder", os.path.join(os.path.dirname(out_path), f"dump_{world}_{replicas}_{cp}"),
         "--training.dataset_cache_dir", os.path.join(os.path.dirname(out_path), "dataset_cache"),
         "--validation.enable", "true", "--validation.steps", "2",
         "--validation.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
@@ -37,7 +56,8 @@ def main(out_path: str, *overrides: str) -> None:
     trainer = Trainer(cfg)
     initial = {name: full(p) for name, p in trainer.model.named_parameters()}
     validation = trainer.validator.validate(trainer.model)
-    batch = next(iter(trainer.dataloader))  # rank r of W: global rows r, r + W, ... of the same 4 rows
+    batch = next(iter(trainer.dataloader))  # DP rank r of W: global rows r, r + W, ... of the same 4 rows
+    batch = documents_across_chunk_edges(batch)  # train_step shards the rows over the CP ranks
     out = trainer.train_step([batch])
     grads = {name: full(p.grad) for name, p in trainer.model.named_parameters()}
     if trainer.rank == 0:

@@ -1,6 +1,7 @@
-"""FSDP2 (and HSDP) data parallelism on 2 CPU ranks (gloo) against one process, through the trainer and the real
-data pipeline: the same seed gives the same initial weights, and the same global batch gives the same loss, MoE
-balance loss and gradients, whatever the number of ranks."""
+"""Parallel layouts on CPU ranks (gloo) against one process, through the trainer and the real data pipeline:
+FSDP and HSDP on 2 ranks, context parallelism on 2 ranks and CP=2 x FSDP=2 on 4. The same seed gives the same
+initial weights, and the same global batch gives the same loss, MoE balance loss, validation loss and
+gradients, whatever the layout (in float64, where only summation order differs)."""
 
 import os
 import subprocess
@@ -10,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.builders import fp32_grad_tolerance
-
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "distributed" / "fsdp_step_worker.py")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
             "--rdzv-endpoint=localhost:0"]
 
 
@@ -31,11 +31,20 @@ def single(tmp_path_factory):
     return tmp, torch.load(tmp / "single.pt")
 
 
-@pytest.mark.parametrize("layout", [[], ["--parallelism.data_parallel_replicate_degree", "2"]], ids=["fsdp", "hsdp"])
-def test_two_ranks_match_single_process(single, layout):
+LAYOUTS = {  # name: (processes, config overrides)
+    "fsdp2": (2, []),
+    "hsdp2": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_ranks_match_single_process(single, name):
+    """Documents start inside the CP chunks and cross their edges (tests/distributed/fsdp_step_worker.py)."""
     tmp, ref = single
-    name = "hsdp" if layout else "fsdp"
-    run([*TORCHRUN, WORKER, str(tmp / f"{name}.pt"), *layout], tmp)
+    nproc, layout = LAYOUTS[name]
+    run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), *layout], tmp)
     got = torch.load(tmp / f"{name}.pt")
 
     # Initial weights depend on the seed only, not on the world size or mesh: bitwise equal.
@@ -43,14 +52,15 @@ def test_two_ranks_match_single_process(single, layout):
     for key, value in ref["initial"].items():
         assert torch.equal(got["initial"][key], value), key
 
-    # Same fp32 math, other summation order (per-rank partial sums + all-reduce): ~1e-7 relative.
+    # Same float64 math, other summation order (per-rank partial sums + all-reduce, head-parallel GDN): the
+    # fp32 parts (cross entropy, router softmax, RoPE angles) are per token, so identical in every layout.
     assert got["validation"]["val_tokens"] == ref["validation"]["val_tokens"]
     assert got["validation"]["val_loss"] == pytest.approx(ref["validation"]["val_loss"], rel=1e-6)
     for key in ("loss", "aux_loss", "grad_norm"):
         assert got["out"][key] == pytest.approx(ref["out"][key], rel=1e-5), key
     assert ref["out"]["aux_loss"] > 1.0  # the balance loss was on (a uniform router gives top_k = 2)
     for key, want in ref["grads"].items():
-        rel = ((got["grads"][key] - want).norm() / want.norm().clamp_min(1e-12)).item()
-        assert rel < fp32_grad_tolerance(key), f"{key}: relative grad difference {rel:.2e}"
-    router = [k for k in ref["grads"] if k.endswith("mlp.gate.weight")]
-    assert router and all(((got["grads"][k] - ref["grads"][k]).norm() / ref["grads"][k].norm()) < 1e-5 for k in router)
+        rel = ((got["grads"][key] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        # Measured at most 8.1e-13 (A_log of a GDN layer, in every layout); a wrong head, chunk or document
+        # boundary gives O(1).
+        assert rel < 1e-9, f"{key}: relative grad difference {rel:.2e}"

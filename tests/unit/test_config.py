@@ -264,3 +264,22 @@ def test_global_batch_not_a_multiple_of_local_times_dp_is_rejected(gbs):
     cfg = cfg_with(local_batch_size=4, global_batch_size=gbs)
     with pytest.raises(ConfigError, match="global_batch_size"):
         validate_parallelism(cfg, world_size=4)  # 4 * 4 = 16 rows per micro-step
+
+
+@pytest.mark.parametrize("name, world", [("debug_model.toml", 1), ("qwen35_moe.toml", 8), ("qwen35_moe_long.toml", 8)])
+def test_shipped_configs_are_valid_except_for_the_paths_a_user_must_set(name, world):
+    from pathlib import Path
+
+    from harness.preflight import check_run_requirements
+
+    cfg = load_config(["--config", str(Path(__file__).resolve().parents[2] / "train_configs" / name)])
+    dims = validate_parallelism(cfg, world_size=world).dims
+    try:
+        check_run_requirements(cfg)
+    except ConfigError as e:  # only the placeholder paths of the 35B configs may be reported
+        message = str(e)
+        assert name != "debug_model.toml" and "/path/to/" in message
+        for other in ("flavor", "context_parallel", "seq_len", "tokenizer has", "not available"):
+            assert other not in message, message
+    if name == "qwen35_moe_long.toml":
+        assert (dims.cp, dims.dp_shard, cfg.training.seq_len) == (4, 2, 65536)

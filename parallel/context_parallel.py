@@ -1,0 +1,78 @@
+"""Context parallelism: the zigzag sequence layout and the exchanges the CP-aware layers run.
+
+Layout (docs/design.md, "Parallelism"): each row of seq_len tokens is cut into 2 * cp chunks; CP rank r holds
+chunks r and 2*cp-1-r, so every rank gets an equal share of causal attention work (early and late tokens).
+The trainer shards input_ids, labels and position_ids this way (`shard_zigzag`); the model all-gathers the
+(integer) position ids once per forward to know the whole rows' documents (`CPContext.layout`).
+
+Exchanges, differentiable (torch's functional collectives, so backward runs the mirror collective):
+  gather_sequence   local zigzag tokens -> the whole rows in natural order       (all-gather; backward: reduce-scatter)
+  scatter_sequence  whole rows of partial sums -> this rank's tokens, summed     (reduce-scatter; backward: all-gather)
+Gated DeltaNet runs head-parallel between the two (each rank: whole rows, 1/cp of the heads); attention gathers
+K and V and keeps its local queries. Nothing here imports the model: the parallelize function attaches a
+CPContext to the model and its mixers as `_cp`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+# Renamed in torch 2.13 (the old names warn there); torch 2.11 has only the old ones. Same signatures.
+_all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
+_reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd", funcol.reduce_scatter_tensor_autograd)
+
+
+def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """(seq_len / cp,) positions in the row of CP rank `rank`'s tokens: chunks rank and 2*cp-1-rank."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 * context_parallel_degree = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat((torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)))
+
+
+def shard_zigzag(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `t` along `dim` (the sequence), in zigzag order."""
+    return t.index_select(dim, zigzag_index(t.shape[dim], cp, rank, t.device))
+
+
+@functools.cache
+def _natural_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Index that puts the ranks' concatenated zigzag tokens back in row order."""
+    gathered = torch.cat([zigzag_index(seq_len, cp, r) for r in range(cp)])
+    return torch.argsort(gathered).to(device)
+
+
+class CPContext:
+    """One CP group: its size, this rank's place in it, and the sequence exchanges over it."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+        self.group = mesh.get_group()
+
+    def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """(..., S/cp, ...) local zigzag tokens -> (..., S, ...) whole rows in natural order."""
+        x = x.movedim(dim, 0).contiguous()
+        gathered = _all_gather(x, 0, self.group)  # rank 0's tokens, rank 1's, ...
+        order = _natural_order(gathered.shape[0], self.size, gathered.device)
+        return gathered.index_select(0, order).movedim(0, dim)
+
+    def scatter_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """(..., S, ...) partial sums in natural order -> this rank's zigzag tokens of their sum over the group."""
+        x = x.movedim(dim, 0)
+        by_rank = x.index_select(0, torch.cat([zigzag_index(x.shape[0], self.size, r, x.device)
+                                               for r in range(self.size)])).contiguous()
+        return _reduce_scatter(by_rank, "sum", 0, self.group).movedim(0, dim)
+
+    def gather_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(B, S/cp) local position ids -> (B, S) of the whole rows (integers: no gradient)."""
+        return self.gather_sequence(position_ids, dim=1)
+
+    def token_index(self, seq_len: int, device) -> torch.Tensor:
+        """(S/cp,) positions of this rank's tokens within a row of `seq_len` tokens."""
+        return zigzag_index(seq_len, self.size, self.rank, device)
