@@ -207,6 +207,7 @@ def layer(ns) -> None:
 
     # CP=1: each GPU runs the whole row (the ranks run the same thing at the same time).
     ms_cp1 = timed(lambda: step(lambda t: gdn._mix(t, whole.cu_seqlens, 0, 1), x, dy), ns.repeats)
+    report(f"layer: CP=1 timed ({ms_cp1:.2f} ms)")
     ref_out = gdn._mix(x, whole.cu_seqlens, 0, 1).detach()
 
     mesh = init_device_mesh("cuda", (cp,), mesh_dim_names=("cp",))
@@ -215,6 +216,7 @@ def layer(ns) -> None:
     layout = context_parallel_layout(shard_zigzag(positions, cp, rank), positions, index)
     x_local, dy_local = shard_zigzag(x, cp, rank), shard_zigzag(dy, cp, rank)
     ms_ours = timed(lambda: step(lambda t: gdn(t, layout), x_local, dy_local), ns.repeats)
+    report(f"layer: ours timed ({ms_ours:.2f} ms)")
     ours_err = ((gdn(x_local, layout).detach() - shard_zigzag(ref_out, cp, rank)).float().norm()
                 / shard_zigzag(ref_out, cp, rank).float().norm()).item()
 
@@ -245,8 +247,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--hang-dump", type=float, default=0, help="seconds after which to dump stacks and exit")
     parser.add_argument("--flavor", default="35B-A3B", help="layer shapes (debugmodel: a quick check on CPU)")
     ns = parser.parse_args()
+    if ns.hang_dump:  # print every thread's stack if the run hangs
+        import faulthandler
+        faulthandler.dump_traceback_later(ns.hang_dump, exit=True)
     ns.seq = ns.seq or {"check": 8192, "layer": 32768}[ns.what]
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
