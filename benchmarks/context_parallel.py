@@ -66,8 +66,7 @@ def loss_and_grads(model, ids, positions, labels, n_labels, cp_group=None) -> tu
     """Summed token cross entropy over the global label count, and the full gradient as one fp32 vector (summed
     over the CP ranks, whose shares of it add up)."""
     model.zero_grad(set_to_none=True)
-    logits = model(ids, positions).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / n_labels
+    loss = model(ids, positions, labels=labels).ce_sum / n_labels  # chunked, as the trainer computes it
     loss.backward()
     grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
     loss = loss.detach()

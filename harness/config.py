@@ -71,6 +71,9 @@ class Training:
     # empty = <dump_folder>/dataset_cache. Point runs that share a dataset at one folder.
     dataset_cache_dir: str = ""
     aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
+    # Cross entropy this many tokens at a time (per rank), never holding the whole (tokens x vocab) logits;
+    # 0 = all at once. Peak ~ 6 bytes x vocab per chunk token (1.4 GiB: 1024 tokens, 248k vocab) + an fp32 lm_head grad.
+    loss_chunk_tokens: int = 1024
 
 
 @dataclass
@@ -325,6 +328,9 @@ def _check_values(cfg: JobConfig) -> None:
                 f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
                 f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps or "
                 f"decay_ratio")
+    if cfg.training.loss_chunk_tokens < 0:
+        raise ConfigError(f"training.loss_chunk_tokens must be >= 0 (0: all tokens at once), got "
+                          f"{cfg.training.loss_chunk_tokens}")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}")
     if cfg.checkpoint.load_step < -1:

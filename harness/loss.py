@@ -5,7 +5,8 @@ of the whole global batch, and the gradient of the global loss is the sum of the
 averages gradients over its ranks instead, so the trainer backpropagates share * FSDP degree. Then the global
 batch gives the same loss and gradients however it is split over data-parallel ranks (and micro-batches, for
 the cross entropy):
-- cross entropy: summed over this micro-batch's label tokens, divided by the label tokens of the global batch;
+- cross entropy: summed over this micro-batch's label tokens (by the model, chunked: never the whole logits),
+  divided by the label tokens of the global batch;
 - balance loss: per micro-batch, routing counts pooled over all ranks (one all-reduce of (layers, experts)
   counts), each rank contributing its own tokens' router probabilities (see `load_balancing_loss`); averaged
   over the micro-batches of a step.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from models.qwen35_moe.moe import RouterStats, load_balancing_loss
 
@@ -29,12 +29,6 @@ def global_label_tokens(microbatches: list[dict[str, torch.Tensor]], device: tor
     if distributed:
         dist.all_reduce(count)
     return count.clamp_min(1)
-
-
-def cross_entropy_share(logits: torch.Tensor, labels: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's summed token cross entropy over the global label-token count (fp32 logits)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum") / global_tokens
 
 
 def balance_loss_share(stats: RouterStats, distributed: bool) -> torch.Tensor:

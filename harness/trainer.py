@@ -20,7 +20,7 @@ from .checkpoint import Checkpointer, latest_complete_step
 from .hf_weights import export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data import build_dataloader
-from .loss import balance_loss_share, cross_entropy_share, global_label_tokens
+from .loss import balance_loss_share, global_label_tokens
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, max_memory_gib, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args
@@ -121,8 +121,9 @@ class Trainer:
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
         for mb in microbatches:
-            out = self.model(mb["input_ids"].to(self.device), mb["position_ids"].to(self.device))
-            ce = cross_entropy_share(out.logits, mb["labels"].to(self.device), n_tokens)
+            out = self.model(mb["input_ids"].to(self.device), mb["position_ids"].to(self.device),
+                             labels=mb["labels"].to(self.device), loss_chunk_tokens=self.cfg.training.loss_chunk_tokens)
+            ce = out.ce_sum / n_tokens  # this micro-batch's share of the global token-mean cross entropy
             aux = balance_loss_share(out.router_stats, distributed) / len(microbatches)
             # Shares of the global loss; FSDP averages gradients over all ranks (dp_replicate x dp_shard x cp), so
             # scale by their number to get the gradient of the global loss (the sum of the shares').

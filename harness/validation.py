@@ -16,7 +16,6 @@ from torch import nn
 
 from .config import JobConfig
 from .data import IGNORE_INDEX, build_dataloader
-from .loss import cross_entropy_share
 
 
 class Validator:
@@ -26,6 +25,7 @@ class Validator:
         v, t = cfg.validation, cfg.training
         self.steps = None if v.steps == -1 else v.steps
         self.device, self.shard_rows = device, shard_rows
+        self.loss_chunk_tokens = t.loss_chunk_tokens
         self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
                                        t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                        cache_dir=cache_dir, infinite=False)
@@ -42,8 +42,9 @@ class Validator:
         for batch in itertools.islice(self.loader, self.steps):
             batch = self.shard_rows(batch)
             labels = batch["labels"].to(self.device)
-            out = model(batch["input_ids"].to(self.device), batch["position_ids"].to(self.device))
-            loss_sum += cross_entropy_share(out.logits, labels, torch.ones((), device=self.device))
+            out = model(batch["input_ids"].to(self.device), batch["position_ids"].to(self.device), labels=labels,
+                        loss_chunk_tokens=self.loss_chunk_tokens)
+            loss_sum += out.ce_sum
             tokens += (labels != IGNORE_INDEX).sum()
         totals = torch.stack((loss_sum, tokens))
         if dist.is_initialized():

@@ -19,6 +19,7 @@ from torch import nn
 from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, context_parallel_layout, document_layout
+from .linear_cross_entropy import linear_cross_entropy_sum
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .init import init_weights
 from .moe import RouterStats, SparseMoE, load_balancing_loss
@@ -27,10 +28,13 @@ from .norms import ZeroCenteredRMSNorm
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # (B, S, vocab)
+    logits: torch.Tensor | None  # (B, S, vocab); None when the forward was given labels
     # Routing statistics of every MoE layer (counts and probability sums, each (layers, experts)); a trainer
     # pools them over data-parallel ranks for a balance loss that does not depend on how the batch is split.
     router_stats: RouterStats
+    # With labels: the cross entropy summed over the label tokens (fp32), computed chunk by chunk without
+    # the whole logits (linear_cross_entropy.py).
+    ce_sum: torch.Tensor | None = None
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -79,9 +83,11 @@ class Qwen35MoeModel(nn.Module):
         same seed whether the model is whole or sharded over any mesh."""
         init_weights(self, seed, self.args.initializer_range)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> CausalLMOutput:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
-        document per row). Returns logits (B, S, vocab) and the MoE routing statistics."""
+        document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
+        -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time."""
         batch, seq = input_ids.shape
         # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
         # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
@@ -99,7 +105,10 @@ class Qwen35MoeModel(nn.Module):
             h, layer_counts, layer_prob_sums = layer(h, layout)
             counts.append(layer_counts)
             prob_sums.append(layer_prob_sums)
-        logits = self.lm_head(self.norm(h))
         stats = RouterStats(torch.stack(counts), torch.stack(prob_sums), num_tokens=batch * seq,
                             top_k=self.args.num_experts_per_tok)
-        return CausalLMOutput(logits=logits, router_stats=stats)
+        h = self.norm(h)
+        if labels is None:
+            return CausalLMOutput(logits=self.lm_head(h), router_stats=stats)
+        ce_sum = linear_cross_entropy_sum(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), loss_chunk_tokens)
+        return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum)

@@ -1,0 +1,70 @@
+"""Cross entropy of the output projection, chunk by chunk over the tokens, never holding the whole logits.
+
+With a 248,320-token vocabulary the logits dominate a long row's memory: (tokens x vocab) in bf16, their fp32
+copy and its gradient are about 10 bytes x 248,320 = 2.4 MiB per token, 38 GiB for 16k tokens. Here each chunk
+of tokens computes its logits (in the weight's dtype, upcast to fp32 as the plain path does), its summed cross
+entropy and at once its gradients with respect to the hidden states and the weight; only those gradients are
+kept for backward, in fp32 (tokens x hidden, and the weight's shape accumulated over the chunks), so peak memory
+is one chunk's logits. No recompute: the backward only scales the stored gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grads: bool):
+    """Summed cross entropy of one chunk, and (if want_grads) d loss / d logits in the logits' compute dtype."""
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    logits = (h @ weight.t()).to(acc)
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, lse - picked, 0).sum()
+    if not want_grads:
+        return loss, None
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
+    probs[torch.arange(len(target), device=probs.device), target] -= 1.0
+    probs.mul_(valid.unsqueeze(1).to(probs.dtype))
+    return loss, probs.to(h.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk: int):
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        total = torch.zeros((), dtype=acc, device=h.device)
+        grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        for start in range(0, h.shape[0], chunk):
+            hs, ys = h[start:start + chunk], labels[start:start + chunk]
+            loss, dlogits = _chunk_loss(hs, weight, ys, want_grads=True)
+            total += loss
+            grad_h[start:start + chunk] = dlogits @ weight  # cast up from the weight's dtype
+            grad_w += (dlogits.t() @ hs).to(acc)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = h.dtype, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        return ((grad_h * grad_total).to(h_dtype) if ctx.needs_input_grad[0] else None,
+                (grad_w * grad_total).to(w_dtype) if ctx.needs_input_grad[1] else None, None, None)
+
+
+def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             chunk_tokens: int = 1024) -> torch.Tensor:
+    """sum over tokens of cross_entropy(h @ weight.T, labels), labels == -100 ignored; h (N, D), weight (V, D),
+    labels (N,). Returns an fp32 scalar (fp64 for fp64 inputs). chunk_tokens <= 0: all tokens in one chunk."""
+    chunk = chunk_tokens if chunk_tokens > 0 else max(h.shape[0], 1)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h, weight, labels, chunk)
+    total = torch.zeros((), dtype=torch.float64 if h.dtype == torch.float64 else torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        total += _chunk_loss(h[start:start + chunk], weight, labels[start:start + chunk], want_grads=False)[0]
+    return total
