@@ -144,6 +144,17 @@ class Compile:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = False  # torch.profiler trace of one step in every profile_freq steps, per rank
+    save_traces_folder: str = "profile_traces"  # under dump_folder: iteration_N/rank{R}_trace.json
+    profile_freq: int = 10  # trace steps N = profile_freq, 2 * profile_freq, ... (the step before warms up)
+    # CUDA allocator history (every allocation with its stack), dumped at the same steps for
+    # https://pytorch.org/memory_viz; CUDA only
+    enable_memory_snapshot: bool = False
+    save_memory_snapshot_folder: str = "memory_snapshot"  # under dump_folder: iteration_N/rank{R}_memory_snapshot.pickle
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -156,6 +167,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -328,6 +340,9 @@ def _check_values(cfg: JobConfig) -> None:
                 f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
                 f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps or "
                 f"decay_ratio")
+    if (cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot) and cfg.profiling.profile_freq < 2:
+        raise ConfigError(f"profiling.profile_freq must be >= 2 (a warm-up step, then the traced one), got "
+                          f"{cfg.profiling.profile_freq}")
     if cfg.training.loss_chunk_tokens < 0:
         raise ConfigError(f"training.loss_chunk_tokens must be >= 0 (0: all tokens at once), got "
                           f"{cfg.training.loss_chunk_tokens}")

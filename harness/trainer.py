@@ -26,6 +26,7 @@ from .metrics import MetricsLogger, max_memory_gib, peak_flops, training_flops_p
 from .model_setup import DTYPES, build_model, build_model_args
 from .optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
+from .profiling import StepProfiler
 from .runtime import cpu_process_group, init_process_group, pick_device, set_seed
 from .tokenizer import build_tokenizer
 from .validation import Validator
@@ -154,11 +155,13 @@ class Trainer:
         tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum // self.dims.cp
         window_tokens, window_start = 0, time.perf_counter()
         self.model.train()
+        profiler = StepProfiler(cfg, self.rank, self.device, start_step=self.step)
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.last = last = self.train_step([next(data) for _ in range(accum)])
+                profiler.step(self.step)
                 window_tokens += tokens_per_step_local
                 if self.step % cfg.metrics.log_freq == 0 or self.step in (1, cfg.training.steps):
                     if self.device.type == "cuda":
@@ -180,6 +183,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
+            profiler.close()
             self.metrics.close()
         return self.last
 

@@ -178,6 +178,15 @@ def test_non_positive_sizes_are_rejected(flag):
         load_config([f"--{flag}=0"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--training.loss_chunk_tokens=-1"], "training.loss_chunk_tokens must be >= 0"),
+    (["--profiling.enable_profiling=true", "--profiling.profile_freq=1"], "profiling.profile_freq must be >= 2"),
+])
+def test_impossible_loss_chunk_and_profile_freq_are_rejected(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
+
+
 @pytest.mark.parametrize("lr", ["0", "-1e-3"])
 def test_non_positive_lr_is_rejected(lr):
     with pytest.raises(ConfigError, match="optimizer.lr"):
