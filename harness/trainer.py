@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from parallel.context_parallel import shard_zigzag
+from models.qwen35_moe.documents import context_parallel_layout, context_parallel_segments, document_layout
+from parallel.context_parallel import shard_zigzag, zigzag_index
 from parallel.parallel_dims import ParallelDims
 
 from .checkpoint import Checkpointer, latest_complete_step
@@ -32,6 +33,13 @@ from .tokenizer import build_tokenizer
 from .validation import Validator
 
 logger = logging.getLogger(__name__)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, so the copy does not make the host wait."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -74,7 +82,7 @@ class Trainer:
             t.dataset, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
             dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir)
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
-                                    self.shard_rows) if cfg.validation.enable else None)
+                                    self.model_inputs) if cfg.validation.enable else None)
         self.step, tb_run = 0, None
         self.checkpointer = None
         if ckpt.enable:
@@ -93,6 +101,7 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.last: dict[str, float] = {}
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, unread (loss, aux_loss, grad_norm)) since the last read
         self.started = time.perf_counter()
         if self.rank == 0:
             self._save_config()
@@ -112,18 +121,36 @@ class Trainer:
         rank = self.meshes.cp.get_local_rank()
         return {key: shard_zigzag(value, self.dims.cp, rank) for key, value in batch.items()}
 
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict:
+        """The model's keyword arguments for a micro-batch of (host) rows: this rank's share of them on the device,
+        and their document layout derived on the host (under CP from the whole rows, which every CP rank holds),
+        so that neither costs a GPU sync."""
+        positions = batch["position_ids"]
+        if self.dims.cp == 1:
+            layout = document_layout(positions, *positions.shape, positions.device)
+        else:
+            index = zigzag_index(positions.shape[1], self.dims.cp, self.meshes.cp.get_local_rank())
+            layout = context_parallel_layout(positions[:, index], positions, index)
+            layout.cp_segments = context_parallel_segments(layout)
+        local = self.shard_rows(batch)
+        return {"input_ids": to_device(local["input_ids"], self.device), "labels": to_device(local["labels"], self.device),
+                "layout": layout.to(self.device), "loss_chunk_tokens": self.cfg.training.loss_chunk_tokens}
+
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over the global batch (this data-parallel rank's rows); returns the global loss,
-        balance loss and grad norm."""
+        balance loss and grad norm (and raises TrainingDivergedError if they are not finite)."""
+        return self._read([(self.step, self._step(microbatches))])
+
+    def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step; returns (loss, aux_loss, grad_norm) on the device, unread: reading them is a host
+        sync, done every metrics.log_freq steps and before any save (`_read`)."""
         self.optimizer.zero_grad(set_to_none=True)
-        microbatches = [self.shard_rows(mb) for mb in microbatches]
         distributed = self.meshes is not None
-        n_tokens = global_label_tokens(microbatches, self.device, distributed)
+        n_tokens = global_label_tokens([self.shard_rows(mb) for mb in microbatches], self.device, distributed)
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
         for mb in microbatches:
-            out = self.model(mb["input_ids"].to(self.device), mb["position_ids"].to(self.device),
-                             labels=mb["labels"].to(self.device), loss_chunk_tokens=self.cfg.training.loss_chunk_tokens)
+            out = self.model(**self.model_inputs(mb))
             ce = out.ce_sum / n_tokens  # this micro-batch's share of the global token-mean cross entropy
             aux = balance_loss_share(out.router_stats, distributed) / len(microbatches)
             # Shares of the global loss; FSDP averages gradients over all ranks (dp_replicate x dp_shard x cp), so
@@ -139,13 +166,27 @@ class Trainer:
                                                    foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        loss, aux_loss, grad_norm = (*losses.tolist(), grad_norm.item())
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):
-            raise TrainingDivergedError(
-                f"step {self.step}: loss is {loss}, grad norm {grad_norm}; stopping without saving "
-                f"this step. Lower optimizer.lr or check the data.")
+        # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.
         self.optimizer.step()
         self.lr_scheduler.step()
+        return torch.cat((losses, grad_norm.reshape(1).to(losses.dtype)))
+
+    def read_pending(self) -> dict[str, float]:
+        """Read the steps run since the last read (see `_read`); returns the last step's values."""
+        if self.pending:
+            self.last, self.pending = self._read(self.pending), []
+        return self.last
+
+    def _read(self, pending: list[tuple[int, torch.Tensor]]) -> dict[str, float]:
+        """Read the unread steps' (loss, aux_loss, grad_norm) in one host sync; raise at the first non-finite
+        one. Returns the last step's values."""
+        values = torch.stack([v for _, v in pending]).tolist()
+        for (step, _), (loss, aux_loss, grad_norm) in zip(pending, values):
+            if not math.isfinite(loss) or not math.isfinite(grad_norm):
+                raise TrainingDivergedError(
+                    f"step {step}: loss is {loss}, grad norm {grad_norm}; stopping without saving "
+                    f"this step. Lower optimizer.lr or check the data.")
+        loss, aux_loss, grad_norm = values[-1]
         return {"loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm}
 
     def train(self) -> dict[str, float]:
@@ -160,12 +201,11 @@ class Trainer:
             while self.step < cfg.training.steps:
                 self.step += 1
                 lr = self.optimizer.param_groups[0]["lr"]
-                self.last = last = self.train_step([next(data) for _ in range(accum)])
+                self.pending.append((self.step, self._step([next(data) for _ in range(accum)])))
                 profiler.step(self.step)
                 window_tokens += tokens_per_step_local
                 if self.step % cfg.metrics.log_freq == 0 or self.step in (1, cfg.training.steps):
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
+                    last = self.read_pending()  # the host waits for the GPU here, once per log_freq steps
                     elapsed = time.perf_counter() - window_start
                     tps = window_tokens / elapsed  # per device, as torchtitan reports it
                     mfu = None if self.peak_flops is None else tps * self.flops_per_token / self.peak_flops
@@ -174,6 +214,7 @@ class Trainer:
                     window_tokens, window_start = 0, time.perf_counter()
                 if self.validator is not None and (self.step % cfg.validation.freq == 0
                                                    or self.step == cfg.training.steps):
+                    self.read_pending()  # never validate (or save) weights a non-finite step produced
                     self.metrics.log_validation(self.step, self.validator.validate(self.model))
                     window_start = time.perf_counter()  # validation time is not training throughput
                 stop = self.stop.agreed(self.cpu_group)
@@ -193,6 +234,7 @@ class Trainer:
         due = self.step % ckpt.interval == 0 or self.step == self.cfg.training.steps
         if self.checkpointer is None or not (due or force):
             return None
+        self.read_pending()  # raises, saving nothing, if a step since the last read diverged
         tb_run = self.metrics.tb_dir.name if self.metrics.tb_dir is not None else None
         path = self.checkpointer.save(self.step, tb_run=tb_run)
         if force:

@@ -20,12 +20,12 @@ from .data import IGNORE_INDEX, build_dataloader
 
 class Validator:
     def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_world_size: int, cache_dir: str,
-                 device: torch.device, shard_rows=lambda batch: batch):
-        """`shard_rows`: this rank's share of a batch's rows (its zigzag chunks under context parallelism)."""
+                 device: torch.device, model_inputs):
+        """`model_inputs`: the model's keyword arguments (input_ids, labels, layout, ...) for a batch of host rows,
+        this rank's share of them (its zigzag chunks under context parallelism); `Trainer.model_inputs`."""
         v, t = cfg.validation, cfg.training
         self.steps = None if v.steps == -1 else v.steps
-        self.device, self.shard_rows = device, shard_rows
-        self.loss_chunk_tokens = t.loss_chunk_tokens
+        self.device, self.model_inputs = device, model_inputs
         self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
                                        t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                        cache_dir=cache_dir, infinite=False)
@@ -40,12 +40,9 @@ class Validator:
         tokens = torch.zeros((), device=self.device)
         self.loader.load_state_dict(self.start)
         for batch in itertools.islice(self.loader, self.steps):
-            batch = self.shard_rows(batch)
-            labels = batch["labels"].to(self.device)
-            out = model(batch["input_ids"].to(self.device), batch["position_ids"].to(self.device), labels=labels,
-                        loss_chunk_tokens=self.loss_chunk_tokens)
-            loss_sum += out.ce_sum
-            tokens += (labels != IGNORE_INDEX).sum()
+            inputs = self.model_inputs(batch)
+            loss_sum += model(**inputs).ce_sum
+            tokens += (inputs["labels"] != IGNORE_INDEX).sum()
         totals = torch.stack((loss_sum, tokens))
         if dist.is_initialized():
             dist.all_reduce(totals)

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(x, weight, cu_seqlens=None):
-    """x (B, T, D); weight (D, W) (HF's conv1d.weight (D, 1, W) squeezed); cu_seqlens int [N+1] (needs B == 1).
-    Returns (B, T, D) in x's dtype."""
+def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
+    """x (B, T, D); weight (D, W) (HF's conv1d.weight (D, 1, W) squeezed); cu_seqlens int [N+1] (needs B == 1),
+    with an optional host copy `cu_seqlens_cpu` that spares FLA a device-to-host sync. Returns (B, T, D) in x's
+    dtype."""
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"causal_conv1d: cu_seqlens packs documents into one row, so batch size must be 1, "
                          f"got x of shape {tuple(x.shape)}; flatten the batch to (1, B*T, D) first.")
@@ -18,9 +19,9 @@ def causal_conv1d(x, weight, cu_seqlens=None):
         return torch_causal_conv1d(x, weight, cu_seqlens)
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # lazy: needs triton and a GPU
 
-    cu_seqlens_cpu = None
     if cu_seqlens is not None:
-        cu_seqlens_cpu = cu_seqlens if cu_seqlens.device.type == "cpu" else None  # spares FLA a sync
+        if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
+            cu_seqlens_cpu = cu_seqlens
         dtype = cu_seqlens.dtype if cu_seqlens.dtype in (torch.int32, torch.int64) else torch.int64
         cu_seqlens = cu_seqlens.to(device=x.device, dtype=dtype)
     y, _ = fla_causal_conv1d(x, weight, activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)

@@ -6,11 +6,14 @@ forward, what each mixer needs so that nothing crosses a document boundary:
 - Gated DeltaNet and its causal conv: `cu_seqlens` over the flattened (B * S) token stream (FLA's varlen
   convention), so the recurrent state and conv history reset at each document.
 - Full attention: `document_ids` (a block-diagonal causal mask) or `cu_seqlens` for varlen kernels.
+Deriving it takes host syncs on a GPU (whether rows are packed, the document count, the longest document), so
+the trainer derives it on the host from the batch's CPU position ids and hands it to the model (`layout.to`
+copies it to the GPU without waiting); the model derives it itself only when given position ids alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,10 +32,29 @@ class DocumentLayout:
     # Varlen attention segments of this rank's queries (context_parallel_segments), built by the first attention
     # layer that needs them and shared by the others.
     cp_segments: ContextParallelSegments | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None  # a host copy of cu_seqlens, when it was derived on the host
 
     @property
     def is_packed(self) -> bool:
         return self.cu_seqlens is not None
+
+    def to(self, device: torch.device) -> DocumentLayout:
+        """This layout with its tensors on `device` (copies from pinned host memory do not wait for the GPU);
+        the host copy of cu_seqlens stays on the host for the kernels that need their sizes there."""
+        if self.position_ids.device == torch.device(device):
+            return self
+        return replace(self, position_ids=_to(self.position_ids, device), cu_seqlens=_to(self.cu_seqlens, device),
+                       document_ids=_to(self.document_ids, device), token_index=_to(self.token_index, device),
+                       global_layout=self.global_layout.to(device) if self.global_layout is not None else None,
+                       cp_segments=self.cp_segments.to(device) if self.cp_segments is not None else None)
+
+
+def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    if t is None or t.device == torch.device(device):
+        return t
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
@@ -52,7 +74,8 @@ def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int,
     cu_seqlens = torch.cat((flat_starts, total)).to(torch.int32)
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     document_ids = starts.cumsum(dim=1)
-    return DocumentLayout(position_ids, cu_seqlens, max_seqlen, document_ids)
+    return DocumentLayout(position_ids, cu_seqlens, max_seqlen, document_ids,
+                          cu_seqlens_cpu=cu_seqlens if cu_seqlens.device.type == "cpu" else None)
 
 
 def context_parallel_layout(position_ids: torch.Tensor, global_position_ids: torch.Tensor,
@@ -77,6 +100,10 @@ class ContextParallelSegments:
     key_index: torch.Tensor  # (total_k,) indices into the flattened B * S whole-row keys, segment after segment
     max_seqlen_q: int
     max_seqlen_k: int
+
+    def to(self, device: torch.device) -> ContextParallelSegments:
+        return replace(self, cu_seqlens_q=_to(self.cu_seqlens_q, device), cu_seqlens_k=_to(self.cu_seqlens_k, device),
+                       key_index=_to(self.key_index, device))
 
 
 def context_parallel_segments(layout: DocumentLayout) -> ContextParallelSegments:

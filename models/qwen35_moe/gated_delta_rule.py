@@ -20,9 +20,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
-def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None):
-    """q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); cu_seqlens int [N+1] (needs B == 1).
-    Returns o (B, T, Hv, Dv) in v's dtype."""
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
+    """q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); cu_seqlens int [N+1] (needs B == 1), with an
+    optional host copy `cu_seqlens_cpu` that spares FLA a device-to-host sync. Returns o (B, T, Hv, Dv) in v's
+    dtype."""
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"gated_delta_rule: cu_seqlens packs documents into one row, so batch size must be 1, "
                          f"got q of shape {tuple(q.shape)}; flatten the batch to (1, B*T, ...) first.")
@@ -30,10 +31,10 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None):
         return torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: FLA needs triton and a GPU
 
-    cu_seqlens_cpu = None
     if cu_seqlens is not None:
         # FLA indexes with int32 or int64 cu_seqlens on the GPU; a CPU copy spares it a device->host sync.
-        cu_seqlens_cpu = cu_seqlens if cu_seqlens.device.type == "cpu" else None
+        if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
+            cu_seqlens_cpu = cu_seqlens
         dtype = cu_seqlens.dtype if cu_seqlens.dtype in (torch.int32, torch.int64) else torch.int64
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=dtype)
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,

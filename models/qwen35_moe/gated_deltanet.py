@@ -76,14 +76,16 @@ class CPAwareGatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D); `layout` marks the packed documents (under CP: of the whole rows)."""
         if self._cp is None:
-            return self._mix(x, layout.cu_seqlens, group=0, groups=1)
+            return self._mix(x, layout, group=0, groups=1)
         rows = self._cp.gather_sequence(x)  # (B, S, D), natural order
-        partial = self._mix(rows, layout.global_layout.cu_seqlens, self._cp.rank, self._cp.size)
+        partial = self._mix(rows, layout.global_layout, self._cp.rank, self._cp.size)
         return self._cp.scatter_sequence(partial)  # (B, T, D): this rank's tokens, summed over the heads' groups
 
-    def _mix(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, group: int, groups: int) -> torch.Tensor:
-        """The layer on rows x (B, S, D) for value heads group * Hv/groups ... (group + 1) * Hv/groups and their key
-        heads; returns out_proj of those heads' outputs (B, S, D), the whole layer when groups == 1."""
+    def _mix(self, x: torch.Tensor, layout: DocumentLayout, group: int, groups: int) -> torch.Tensor:
+        """The layer on rows x (B, S, D) (documents: `layout`) for value heads group * Hv/groups ...
+        (group + 1) * Hv/groups and their key heads; returns out_proj of those heads' outputs (B, S, D), the whole
+        layer when groups == 1."""
+        cu_seqlens, cu_seqlens_cpu = layout.cu_seqlens, layout.cu_seqlens_cpu
         hk, hv, dk, dv = self.num_k_heads // groups, self.num_v_heads // groups, self.head_k_dim, self.head_v_dim
         keys, values = slice(group * hk * dk, (group + 1) * hk * dk), slice(group * hv * dv, (group + 1) * hv * dv)
         heads = slice(group * hv, (group + 1) * hv)
@@ -96,13 +98,13 @@ class CPAwareGatedDeltaNet(nn.Module):
         tokens = x.shape[:2]
         w_qkv = _rows(self.in_proj_qkv.weight, qkv_rows, groups)
         w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups)
-        qkv = causal_conv1d(F.linear(x, w_qkv), w_conv, cu_seqlens)  # (b, t, C / groups)
+        qkv = causal_conv1d(F.linear(x, w_qkv), w_conv, cu_seqlens, cu_seqlens_cpu)  # (b, t, C / groups)
         q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
         beta = F.linear(x, _rows(self.in_proj_b.weight, [heads], groups)).sigmoid()  # (b, t, hv)
         g = self._fp32_params(F.linear(x, _rows(self.in_proj_a.weight, [heads], groups)), heads)  # fp32
 
-        o = gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (b, t, hv, dv)
+        o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
         z = F.linear(x, _rows(self.in_proj_z.weight, [values], groups)).reshape(*tokens, hv, dv)
         o = self.norm(o, z).reshape(batch, seq, hv * dv)
         return F.linear(o, _columns(self.out_proj.weight, values, groups))

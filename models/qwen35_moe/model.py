@@ -84,14 +84,22 @@ class Qwen35MoeModel(nn.Module):
         init_weights(self, seed, self.args.initializer_range)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024) -> CausalLMOutput:
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
+                layout: DocumentLayout | None = None) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
         document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
-        -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time."""
+        -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time.
+        `layout`: the batch's document layout derived on the host (documents.py; under context parallelism
+        with its whole rows), in place of position_ids: spares the GPU the syncs of deriving it."""
         batch, seq = input_ids.shape
         # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
         # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
-        if self._cp is None:
+        if layout is not None:
+            if self._cp is not None and layout.global_layout is None:
+                raise ValueError("under context parallelism the layout must describe the whole rows "
+                                 "(documents.context_parallel_layout)")
+            layout = layout.to(input_ids.device)
+        elif self._cp is None:
             layout = document_layout(position_ids, batch, seq, input_ids.device)
         else:  # this rank holds its zigzag share of each row: learn the whole rows' documents (integers only)
             if position_ids is None:

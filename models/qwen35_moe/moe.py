@@ -123,7 +123,8 @@ class SparseMoE(nn.Module):
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        # Tokens per expert; not torch.bincount, whose output size depends on the data (a host sync on a GPU).
+        counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         routed = self.experts(x[token_of], counts)  # (N * k, D)
         routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, routed)

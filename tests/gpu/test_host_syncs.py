@@ -1,0 +1,37 @@
+"""A training forward and backward on CUDA makes the host wait for the GPU nowhere: with the batch's document
+layout derived on the host (as the trainer does), torch's sync debug mode raises on any synchronizing call
+(`.item()`, data-dependent output sizes like bincount or nonzero, blocking copies) inside the model, the MoE
+dispatch, the varlen attention, the FLA kernels and the chunked cross entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.qwen35_moe.documents import document_layout
+from tests.gpu.test_model_cuda import ARGS, PACKED_POSITIONS, _batch, build_reference_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_forward_and_backward_make_no_host_sync():
+    from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward
+
+    enable_fla_hopper_backward(ARGS.linear_num_key_heads, ARGS.linear_num_value_heads,
+                               ARGS.linear_key_head_dim, ARGS.linear_value_head_dim, "cuda")
+    model = build_reference_model().to("cuda", torch.bfloat16)
+    ids, labels = _batch(7).cuda(), _batch(8).cuda()
+
+    def step():
+        layout = document_layout(PACKED_POSITIONS, *PACKED_POSITIONS.shape, torch.device("cpu")).to("cuda")
+        out = model(ids, labels=labels, layout=layout, loss_chunk_tokens=200)
+        (out.ce_sum + out.aux_loss).backward()
+
+    step()  # compiles and autotunes the kernels (autotuning times them: that waits, once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
