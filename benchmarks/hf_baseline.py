@@ -1,0 +1,139 @@
+"""Our trainer against a plain transformers training loop on the same shapes and batches, in one process.
+
+    python benchmarks/hf_baseline.py --layers 8 --experts 32 -- --training.local_batch_size 2 \
+        --activation_checkpoint.mode none
+    python benchmarks/hf_baseline.py --layers 4 --experts 64 -- --training.local_batch_size 2 \
+        --activation_checkpoint.mode none
+
+The baseline is what a user would write without this project: transformers' `Qwen3_5MoeForCausalLM` with the
+35B-A3B widths (depth and expert count cut to fit one GPU), bf16 weights, grouped_mm experts, FLA's kernels for
+Gated DeltaNet where FLA is installed (transformers picks them up itself), SDPA attention, AdamW, loss from
+`labels`. It gets the rows our data pipeline gives our trainer (as plain rows: transformers' own loop knows
+nothing of our packing). Ours runs `harness.train` on `train_configs/qwen35_moe.toml` with the same shapes
+(fp32 master weights, bf16 compute, chunked cross entropy) and any trainer overrides given after `--`.
+
+Prints tokens/s per GPU, MFU and peak memory of each (medians over the steps after warm-up) and the ratio.
+`--flavor debugmodel` runs the same on CPU in seconds (a check of the script, not a benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from harness.config import load_config  # noqa: E402
+from harness.data import build_dataloader  # noqa: E402
+from harness.metrics import max_memory_gib, peak_flops, training_flops_per_token  # noqa: E402
+from harness.train import main as train_main  # noqa: E402
+from models.qwen35_moe import Qwen35MoeArgs, get_flavor  # noqa: E402
+
+
+def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device, warmup: int) -> dict:
+    """A plain transformers loop over `batches`; returns median tokens/s and peak memory after warm-up."""
+    from transformers import AutoConfig, Qwen3_5MoeForCausalLM
+
+    from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward
+
+    if device.type == "cuda":  # FLA refuses its backward on Hopper with Triton < 3.7.1 unless this self-check passes
+        enable_fla_hopper_backward(args.linear_num_key_heads, args.linear_num_value_heads,
+                                   args.linear_key_head_dim, args.linear_value_head_dim, device)
+    config = AutoConfig.for_model(**args.to_hf_config())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = Qwen3_5MoeForCausalLM._from_config(
+            config, dtype=dtype, attn_implementation="sdpa",
+            experts_implementation="grouped_mm" if device.type == "cuda" else None)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, betas=(0.9, 0.95))
+    rates = []
+    for i, batch in enumerate(batches):
+        ids = batch["input_ids"].to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            rates.append(ids.numel() / (time.perf_counter() - start))
+    result = {"tokens_per_sec": statistics.median(rates), "max_memory_gib": max_memory_gib(device),
+              "final_loss": loss.item()}
+    del model, optimizer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return result
+
+
+def run_ours(argv: list[str], metrics: Path, warmup: int) -> dict:
+    if train_main(argv) != 0:
+        raise SystemExit("our trainer failed")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    timed = [r for r in rows if r["step"] > warmup]
+    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+            "max_memory_gib": max(r["max_memory_gib"] for r in rows), "final_loss": rows[-1]["loss"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures")
+    parser.add_argument("--flavor", default="35B-A3B", help="layer widths (debugmodel: a quick check on CPU)")
+    parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
+    ns = parser.parse_args()
+    base = get_flavor(ns.flavor)
+    args = Qwen35MoeArgs(**{**vars(base), "num_hidden_layers": ns.layers, "layer_types": None,
+                            "num_experts": ns.experts})
+    work = Path(tempfile.mkdtemp(prefix="qwen35_hf_baseline_"))
+    (work / "config.json").write_text(json.dumps(args.to_hf_config()))
+    argv = [
+        "--config", str(REPO / "train_configs" / "qwen35_moe.toml"),
+        "--model.hf_config", str(work / "config.json"), "--model.tokenizer_path", "",
+        "--training.dataset", "jsonl", "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl"),
+        "--checkpoint.enable", "false", "--checkpoint.initial_load_hf", "", "--checkpoint.export_hf_at_end", "false",
+        "--training.steps", str(ns.steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(work / "out"),
+        "--training.dataset_cache_dir", str(work / "cache"), *ns.overrides,
+    ]
+    cfg = load_config(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from harness.tokenizer import build_tokenizer
+
+    t = cfg.training
+    loader = build_dataloader(t.dataset, t.dataset_path, t.dataset_text_field, build_tokenizer(cfg.model.tokenizer_path),
+                              t.seq_len, t.local_batch_size, dp_rank=0, dp_world_size=1,
+                              cache_dir=str(work / "cache"))
+    batches = [batch for _, batch in zip(range(ns.steps), loader)]
+
+    baseline = run_baseline(args, batches, device, ns.warmup)
+    ours = run_ours(argv, work / "out" / "metrics.jsonl", ns.warmup)
+    flops, peak = training_flops_per_token(args, t.seq_len), peak_flops(device)
+    print(f"baseline vs ours: {ns.flavor} widths, {ns.layers} layers, {ns.experts} experts, seq {t.seq_len}, "
+          f"local batch {t.local_batch_size}, {ns.steps} steps (first {ns.warmup} not timed), {device}")
+    for name, r in (("transformers loop", baseline), ("ours", ours)):
+        mfu = f"{r['tokens_per_sec'] * flops / peak:.1%}" if peak else "n/a"
+        print(f"  {name:18s} {r['tokens_per_sec']:>10,.0f} tok/s  MFU {mfu:>6s}  peak {r['max_memory_gib']:.1f} GiB  "
+              f"final loss {r['final_loss']:.3f}")
+    print(f"  ratio (ours / transformers): {ours['tokens_per_sec'] / baseline['tokens_per_sec']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
