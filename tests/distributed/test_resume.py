@@ -1,6 +1,6 @@
 """Checkpoints across processes, through run_train.sh as a user runs it (FSDP over 2 gloo ranks on CPU):
 SIGTERM mid-run then relaunch equals the uninterrupted run bit for bit; a checkpoint saved by 2 ranks resumes
-on 1 and the reverse; Ctrl-C stops with one line, after saving."""
+on 1 and the reverse, also from and to context parallelism; Ctrl-C stops with one line, after saving."""
 
 from __future__ import annotations
 
@@ -81,6 +81,32 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(uninterrupted, tmp_path
     want, got = losses(ref), losses(tmp_path / "run")
     assert sorted(got) == list(range(1, 9))
     for step in range(5, 9):  # the same weights, optimizer and rows; other summation order: ~1e-7 relative
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+CP2 = ("--parallelism.context_parallel_degree", "2")
+
+
+@pytest.mark.parametrize("saved_with_cp", [True, False])
+def test_a_checkpoint_moves_between_context_parallel_and_one_process(uninterrupted, tmp_path, saved_with_cp):
+    """CP=2 over 2 ranks reads the rows one process reads (one data-parallel rank): saved with CP=2 and resumed
+    by one process, or the reverse, the run continues the one-process run."""
+    ref = uninterrupted / "ref1"
+    if saved_with_cp:
+        run(tmp_path / "run", 2, *CP2, "--checkpoint.interval", "4")
+        full = losses(tmp_path / "run")
+        for step in range(1, 9):  # CP=2 trains like one process (other summation order only)
+            assert full[step] == pytest.approx(losses(ref)[step], rel=1e-5), step
+    else:
+        shutil.copytree(ref, tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-8")  # as if the job had died after step 4's save
+    metrics = tmp_path / "run" / "metrics.jsonl"  # keep steps 1-4: steps 5-8 must come from the resumed run
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:4]))
+    result = run(tmp_path / "run", *((1,) if saved_with_cp else (2, *CP2)), "--checkpoint.interval", "4")
+    assert "resumed from checkpoint" in result.stderr
+    got, want = losses(tmp_path / "run"), losses(ref)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(5, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
