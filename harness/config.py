@@ -135,7 +135,9 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"  # recompute every block ("full") or every second one
+    # "full": recompute every block in backward; "selective": keep matmul, attention and collective outputs,
+    # recompute the elementwise work between them (less memory than none, less recompute than full)
+    mode: Literal["none", "full", "selective"] = "none"
 
 
 @dataclass

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.qwen35_moe.attention import GatedAttention
 from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
@@ -30,14 +31,54 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
             module._cp = context
 
 
+def _saved_ops() -> set:
+    """What selective checkpointing keeps from the forward: the outputs of the matmuls (projections, experts'
+    grouped GEMMs), of the attention kernels and of the collectives (context parallelism's exchanges), the
+    expensive ops whose outputs are small next to the elementwise chains (norms, activations, gates, RoPE,
+    routing) that are recomputed instead. FLA's Gated DeltaNet kernels (Triton, inside an autograd Function)
+    are not aten ops: they run again in the recompute."""
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_grouped_mm"),
+             (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
+             (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_flash_attention_forward"),
+             (aten, "_efficient_attention_forward"), (c10d, "all_gather_into_tensor"),
+             (c10d, "reduce_scatter_tensor"), (c10d, "all_to_all_single")]
+    return {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
+
+
+def _ignore_profiler_ops_in_selective_checkpointing() -> None:
+    """FSDP2's hooks of the fp32 units nested in a block run inside its checkpointed region and open profiler
+    ranges (`record_function`) a different number of times in the forward and in the recompute; selective
+    checkpointing matches every op's calls between the two, so it must not count these (they compute nothing)."""
+    from torch.utils import checkpoint
+
+    if not hasattr(checkpoint, "SAC_IGNORED_OPS"):  # a torch whose SAC does not match recomputed ops' calls
+        return
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        for overload in packet.overloads() if packet is not None else []:
+            checkpoint.SAC_IGNORED_OPS.add(getattr(packet, overload))
+
+
+def _selective_policy(saved: set):
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """"full": recompute every decoder block in backward; "selective": every second block (half the
-    recompute for roughly half the activation memory saved)."""
+    """"full": keep only each decoder block's input and recompute the block in backward; "selective": per op,
+    keep the matmul, attention and collective outputs and recompute the elementwise work between them
+    (`_saved_ops`)."""
     if mode == "none":
         return
+    kwargs = {}
+    if mode == "selective":
+        _ignore_profiler_ops_in_selective_checkpointing()
+        policy = _selective_policy(_saved_ops())
+        kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)
     for name, layer in list(model.layers.items()):
-        if mode == "full" or int(name) % 2 == 0:
-            model.layers[name] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        model.layers[name] = checkpoint_wrapper(layer, preserve_rng_state=False, **kwargs)
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from harness.config import load_config
 from harness.trainer import Trainer
+from models.qwen35_moe.init import canonical_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GLOBAL_BATCH = 4
@@ -54,12 +55,12 @@ def main(out_path: str, *overrides: str) -> None:
         *overrides,
     ])
     trainer = Trainer(cfg)
-    initial = {name: full(p) for name, p in trainer.model.named_parameters()}
+    initial = {canonical_name(name): full(p) for name, p in trainer.model.named_parameters()}
     validation = trainer.validator.validate(trainer.model)
     batch = next(iter(trainer.dataloader))  # DP rank r of W: global rows r, r + W, ... of the same 4 rows
     batch = documents_across_chunk_edges(batch)  # train_step shards the rows over the CP ranks
     out = trainer.train_step([batch])
-    grads = {name: full(p.grad) for name, p in trainer.model.named_parameters()}
+    grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
     if trainer.rank == 0:
         torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation}, out_path)
     trainer.close()

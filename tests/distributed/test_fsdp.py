@@ -36,6 +36,8 @@ LAYOUTS = {  # name: (processes, config overrides)
     "hsdp2": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
     "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2"]),
+    # op-level activation checkpointing with FSDP's fp32 units nested in each block, and under CP
+    "cp2_selective_ac": (2, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
 }
 
 

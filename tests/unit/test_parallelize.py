@@ -1,10 +1,13 @@
-"""Activation checkpointing changes memory, not math, and not the checkpoint keys."""
+"""Activation checkpointing changes memory, not math, and not the checkpoint keys; selective checkpointing
+recomputes the elementwise work but none of the matmuls."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.qwen35_moe import get_flavor
 from parallel.parallelize import apply_activation_checkpointing
@@ -39,3 +42,36 @@ def test_activation_checkpointing_keeps_loss_grads_and_keys(mode):
     assert loss_b == pytest.approx(loss_a, rel=1e-6)
     for name, grad in grads_a.items():
         torch.testing.assert_close(grads_b[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode: str) -> Counter:
+    """The aten ops the backward of one step runs (a recompute runs forward ops inside the backward)."""
+    model = _model()
+    apply_activation_checkpointing(model, mode)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 512, (2, 64), generator=g)
+    out = model(ids)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
+    with _OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def test_selective_checkpointing_recomputes_elementwise_work_but_no_matmul():
+    none, full, selective = _backward_ops("none"), _backward_ops("full"), _backward_ops("selective")
+    matmuls = ("mm", "addmm", "bmm")
+    assert sum(full[op] for op in matmuls) > sum(none[op] for op in matmuls)  # full reruns every projection
+    assert sum(selective[op] for op in matmuls) == sum(none[op] for op in matmuls)  # selective reruns none
+    # ... but recomputes what lies between them: activations, gates, norms.
+    for op in ("silu", "sigmoid", "rsqrt"):
+        assert none[op] < selective[op] <= full[op], (op, none[op], selective[op], full[op])
