@@ -1,0 +1,89 @@
+"""Worker for test_expert_parallel: one MoE layer with its routed experts split over the ranks (expert
+parallelism's exchange, parallel/expert_parallel.py) against the whole layer run in one process on every rank's
+tokens, in float64. Raises (non-zero exit) on any difference beyond float64 summation order."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.qwen35_moe import Qwen35MoeArgs
+from models.qwen35_moe.moe import RoutedExperts, SparseMoE
+from parallel.expert_parallel import exchange
+
+ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+                     shared_expert_intermediate_size=8)
+TOKENS = (24, 40, 17, 31)  # per rank (up to 4): the ranks route different numbers of tokens
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's slice of the routed experts behind the exchange: what SparseMoE calls as `self.experts`."""
+
+    def __init__(self, full: RoutedExperts, rank: int, ep: int):
+        super().__init__()
+        local = full.num_experts // ep
+        self.local = RoutedExperts(local, ARGS.hidden_size, ARGS.moe_intermediate_size)
+        with torch.no_grad():
+            self.local.gate_up_proj.copy_(full.gate_up_proj[rank * local:(rank + 1) * local])
+            self.local.down_proj.copy_(full.down_proj[rank * local:(rank + 1) * local])
+
+    def forward(self, x, counts):
+        return exchange(x, counts, self.local, dist.group.WORLD)
+
+
+def tokens(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(TOKENS[rank], ARGS.hidden_size, generator=g)
+    if rank == 0:  # rank 0's tokens only ever pick experts 0-3: the upper ranks' experts get nothing from it
+        x[:, 4:8] = -x[:, 4:8].abs() - 1
+    return x
+
+
+def main() -> None:
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo")
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = SparseMoE(ARGS)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.5)
+        reference.gate.weight.copy_(torch.eye(ARGS.num_experts, ARGS.hidden_size) * 4)  # expert e <- dim e
+    ep_layer = SparseMoE(ARGS)
+    ep_layer.load_state_dict(reference.state_dict())
+    ep_layer.experts = ExpertParallelExperts(reference.experts, rank, ep)
+
+    xs = [tokens(r) for r in range(ep)]
+    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + r)) for r, x in enumerate(xs)]
+    whole = torch.cat(xs).requires_grad_()
+    out_ref, counts_ref, _ = reference(whole.unsqueeze(0))
+    (out_ref.squeeze(0) * torch.cat(weights)).sum().backward()
+
+    x = xs[rank].clone().requires_grad_()
+    out, counts, _ = ep_layer(x.unsqueeze(0))
+    (out.squeeze(0) * weights[rank]).sum().backward()
+
+    mine = slice(sum(TOKENS[:rank]), sum(TOKENS[:rank + 1]))
+    local = ARGS.num_experts // ep
+    experts = slice(rank * local, (rank + 1) * local)
+    if rank == 0:
+        assert counts[4:].sum() == 0, counts  # the unbalanced case is really exercised
+    close = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.squeeze(0), out_ref.squeeze(0)[mine], **close, msg="output")
+    torch.testing.assert_close(x.grad, whole.grad[mine], **close, msg="input gradient")
+    # Router and shared expert: replicated, each rank's gradient from its own tokens; summed over the ranks.
+    for name, p in ep_layer.named_parameters():
+        if name.startswith("experts."):
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, **close, msg=name)
+    # Local experts: each rank's gradient already holds every rank's tokens (through the all-to-all's backward).
+    torch.testing.assert_close(ep_layer.experts.local.gate_up_proj.grad, reference.experts.gate_up_proj.grad[experts],
+                               **close, msg="gate_up_proj")
+    torch.testing.assert_close(ep_layer.experts.local.down_proj.grad, reference.experts.down_proj.grad[experts],
+                               **close, msg="down_proj")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
