@@ -28,21 +28,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.qwen35_moe import Qwen35MoeArgs, get_flavor  # noqa: E402
+from bench_model import bench_args, trainer_argv  # noqa: E402
 
 STEPS, INTERVAL, KILL_AFTER = 10, 3, 5
 
 
 def launch(work: Path, name: str, *extra: str) -> subprocess.Popen:
-    argv = [
-        str(REPO / "run_train.sh"), "--config", str(REPO / "train_configs" / "qwen35_moe.toml"),
-        "--model.hf_config", str(work / "config.json"), "--model.tokenizer_path", "",
-        "--training.dataset", "jsonl", "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl"),
-        "--checkpoint.initial_load_hf", "", "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL),
-        "--checkpoint.keep_latest_k", "1", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "2",
-        "--job.dump_folder", str(work / name), *extra,
-    ]
+    argv = [str(REPO / "run_train.sh"), *trainer_argv(work / "config.json", work / name, STEPS),
+            "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL), "--checkpoint.keep_latest_k", "1",
+            *extra]
     log = open(work / f"{name}.log", "w")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
 
@@ -76,9 +70,7 @@ def main() -> int:
     ns = parser.parse_args()
     work = Path(ns.work or tempfile.mkdtemp(prefix="qwen35_ckpt_"))
     work.mkdir(parents=True, exist_ok=True)
-    base = get_flavor(ns.flavor)
-    args = Qwen35MoeArgs(**{**vars(base), "num_hidden_layers": ns.layers, "layer_types": None,
-                            "num_experts": ns.experts})
+    args = bench_args(ns.layers, ns.experts, ns.flavor)
     (work / "config.json").write_text(json.dumps(args.to_hf_config()))
     common = ("--training.seq_len", str(ns.seq), "--checkpoint.export_hf_at_end", "false")
 

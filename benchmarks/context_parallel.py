@@ -33,18 +33,14 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models.qwen35_moe.gated_deltanet as gdn_module  # noqa: E402
-from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor  # noqa: E402
+from bench_model import bench_args  # noqa: E402
+from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
 from models.qwen35_moe.causal_conv import torch_causal_conv1d  # noqa: E402
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, torch_chunk_gated_delta_rule  # noqa: E402
 from models.qwen35_moe.documents import context_parallel_layout, document_layout  # noqa: E402
 from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet  # noqa: E402
 from parallel.context_parallel import CPContext, shard_zigzag  # noqa: E402
 from parallel.parallelize import apply_context_parallel  # noqa: E402
-
-
-def model_args(layers: int, experts: int, flavor: str = "35B-A3B") -> Qwen35MoeArgs:
-    base = get_flavor(flavor)
-    return Qwen35MoeArgs(**{**vars(base), "num_hidden_layers": layers, "layer_types": None, "num_experts": experts})
 
 
 def packed_positions(seq: int, cp: int) -> torch.Tensor:
@@ -78,7 +74,7 @@ def loss_and_grads(model, ids, positions, labels, n_labels, cp_group=None) -> tu
 
 def check(ns) -> None:
     rank, cp = dist.get_rank(), dist.get_world_size()
-    args = model_args(4, ns.experts, ns.flavor)
+    args = bench_args(4, ns.experts, ns.flavor)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a quick check of this script (gloo)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -182,7 +178,7 @@ def layer(ns) -> None:
     from fla.ops.cp import build_cp_context
 
     rank, cp = dist.get_rank(), dist.get_world_size()
-    args = model_args(4, 8)
+    args = bench_args(4, 8)
     torch.manual_seed(0)
     gdn = FlaContextParallelGDN(args).cuda()
     for p in gdn.parameters():

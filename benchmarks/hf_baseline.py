@@ -32,11 +32,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_model import bench_args, run_figures, trainer_argv  # noqa: E402
 from harness.config import load_config  # noqa: E402
 from harness.data import build_dataloader  # noqa: E402
 from harness.metrics import max_memory_gib, peak_flops, training_flops_per_token  # noqa: E402
 from harness.train import main as train_main  # noqa: E402
-from models.qwen35_moe import Qwen35MoeArgs, get_flavor  # noqa: E402
+from models.qwen35_moe import Qwen35MoeArgs  # noqa: E402
 
 
 def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device, warmup: int) -> dict:
@@ -83,10 +84,7 @@ def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device,
 def run_ours(argv: list[str], metrics: Path, warmup: int) -> dict:
     if train_main(argv) != 0:
         raise SystemExit("our trainer failed")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    timed = [r for r in rows if r["step"] > warmup]
-    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
-            "max_memory_gib": max(r["max_memory_gib"] for r in rows), "final_loss": rows[-1]["loss"]}
+    return run_figures(metrics, warmup)
 
 
 def main() -> int:
@@ -98,20 +96,12 @@ def main() -> int:
     parser.add_argument("--flavor", default="35B-A3B", help="layer widths (debugmodel: a quick check on CPU)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
     ns = parser.parse_args()
-    base = get_flavor(ns.flavor)
-    args = Qwen35MoeArgs(**{**vars(base), "num_hidden_layers": ns.layers, "layer_types": None,
-                            "num_experts": ns.experts})
+    args = bench_args(ns.layers, ns.experts, ns.flavor)
     work = Path(tempfile.mkdtemp(prefix="qwen35_hf_baseline_"))
     (work / "config.json").write_text(json.dumps(args.to_hf_config()))
-    argv = [
-        "--config", str(REPO / "train_configs" / "qwen35_moe.toml"),
-        "--model.hf_config", str(work / "config.json"), "--model.tokenizer_path", "",
-        "--training.dataset", "jsonl", "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl"),
-        "--checkpoint.enable", "false", "--checkpoint.initial_load_hf", "", "--checkpoint.export_hf_at_end", "false",
-        "--training.steps", str(ns.steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(work / "out"),
-        "--training.dataset_cache_dir", str(work / "cache"), *ns.overrides,
-    ]
+    argv = [*trainer_argv(work / "config.json", work / "out", ns.steps), "--checkpoint.enable", "false",
+            "--checkpoint.export_hf_at_end", "false", "--training.dataset_cache_dir", str(work / "cache"),
+            *ns.overrides]
     cfg = load_config(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from harness.tokenizer import build_tokenizer

@@ -13,7 +13,12 @@ import time
 
 import torch
 
-from models.qwen35_moe.documents import context_parallel_layout, context_parallel_segments, document_layout
+from models.qwen35_moe.documents import (
+    context_parallel_layout,
+    context_parallel_segments,
+    document_layout,
+    to_device,
+)
 from parallel.context_parallel import shard_zigzag, zigzag_index
 from parallel.parallel_dims import ParallelDims
 
@@ -33,13 +38,6 @@ from .tokenizer import build_tokenizer
 from .validation import Validator
 
 logger = logging.getLogger(__name__)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory, so the copy does not make the host wait."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -146,11 +144,12 @@ class Trainer:
         sync, done every metrics.log_freq steps and before any save (`_read`)."""
         self.optimizer.zero_grad(set_to_none=True)
         distributed = self.meshes is not None
-        n_tokens = global_label_tokens([self.shard_rows(mb) for mb in microbatches], self.device, distributed)
+        inputs = [self.model_inputs(mb) for mb in microbatches]
+        n_tokens = global_label_tokens(inputs, self.device, distributed)
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            out = self.model(**self.model_inputs(mb))
+        for mb in inputs:
+            out = self.model(**mb)
             ce = out.ce_sum / n_tokens  # this micro-batch's share of the global token-mean cross entropy
             aux = balance_loss_share(out.router_stats, distributed) / len(microbatches)
             # Shares of the global loss; FSDP averages gradients over all ranks (dp_replicate x dp_shard x cp), so

@@ -43,13 +43,15 @@ class DocumentLayout:
         the host copy of cu_seqlens stays on the host for the kernels that need their sizes there."""
         if self.position_ids.device == torch.device(device):
             return self
-        return replace(self, position_ids=_to(self.position_ids, device), cu_seqlens=_to(self.cu_seqlens, device),
-                       document_ids=_to(self.document_ids, device), token_index=_to(self.token_index, device),
+        return replace(self, position_ids=to_device(self.position_ids, device),
+                       cu_seqlens=to_device(self.cu_seqlens, device), document_ids=to_device(self.document_ids, device),
+                       token_index=to_device(self.token_index, device),
                        global_layout=self.global_layout.to(device) if self.global_layout is not None else None,
                        cp_segments=self.cp_segments.to(device) if self.cp_segments is not None else None)
 
 
-def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
+def to_device(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    """A (host) tensor on `device`; to a GPU through pinned memory, so the copy does not make the host wait."""
     if t is None or t.device == torch.device(device):
         return t
     if torch.device(device).type == "cuda":
@@ -102,8 +104,8 @@ class ContextParallelSegments:
     max_seqlen_k: int
 
     def to(self, device: torch.device) -> ContextParallelSegments:
-        return replace(self, cu_seqlens_q=_to(self.cu_seqlens_q, device), cu_seqlens_k=_to(self.cu_seqlens_k, device),
-                       key_index=_to(self.key_index, device))
+        return replace(self, cu_seqlens_q=to_device(self.cu_seqlens_q, device),
+                       cu_seqlens_k=to_device(self.cu_seqlens_k, device), key_index=to_device(self.key_index, device))
 
 
 def context_parallel_segments(layout: DocumentLayout) -> ContextParallelSegments:

@@ -1,0 +1,49 @@
+"""The model the benchmarks train, and how they run the trainer on it.
+
+The real 35B-A3B does not fit a GPU or two with fp32 master weights and AdamW states, so the benchmarks keep every
+layer width of a flavor (hidden 2048, GDN 16/32 heads of 128, attention 16/2 heads of 256, expert and shared
+intermediate 512, top-8 routing, vocab 248,320 for 35B-A3B) and cut only the depth and the expert count.
+They train it on the debug corpus with the byte tokenizer, from fresh weights, logging every step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from models.qwen35_moe import Qwen35MoeArgs, get_flavor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_args(layers: int, experts: int, flavor: str = "35B-A3B") -> Qwen35MoeArgs:
+    """`flavor`'s layer widths with `layers` decoder layers (the flavor's hybrid pattern) and `experts` experts."""
+    base = get_flavor(flavor)
+    return Qwen35MoeArgs(**{**vars(base), "num_hidden_layers": layers, "layer_types": None, "num_experts": experts})
+
+
+def trainer_argv(hf_config: Path, dump_folder: Path, steps: int) -> list[str]:
+    """Trainer flags for the model in `hf_config` (a config.json of bench_args) on the debug corpus; a benchmark
+    adds its checkpoint, export and parallelism flags."""
+    return [
+        "--config", str(REPO / "train_configs" / "qwen35_moe.toml"),
+        "--model.hf_config", str(hf_config), "--model.tokenizer_path", "",
+        "--training.dataset", "jsonl", "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl"),
+        "--checkpoint.initial_load_hf", "", "--training.steps", str(steps), "--metrics.log_freq", "1",
+        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "2",
+        "--job.dump_folder", str(dump_folder),
+    ]
+
+
+def run_figures(metrics: Path, warmup: int) -> dict | None:
+    """Medians over a run's steps after `warmup` (metrics.jsonl): tokens/s per device and MFU (None on CPU), and
+    the peak memory and last loss of the run; None if no step was timed."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    timed = [r for r in rows if r["step"] > warmup]
+    if not timed:
+        return None
+    mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
+    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+            "mfu": statistics.median(mfu) if mfu else None,
+            "max_memory_gib": max(r["max_memory_gib"] for r in rows), "final_loss": rows[-1]["loss"]}
