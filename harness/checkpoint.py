@@ -264,4 +264,3 @@ class Checkpointer:
             torch.cuda.set_rng_state(state["cuda"])
         if "dataloader" in state:
             self.dataloader.load_state_dict(state["dataloader"])
-

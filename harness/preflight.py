@@ -113,6 +113,3 @@ def _vocab_size(tokenizer_json: Path) -> int:
         return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # tokenizers raises its own exception type for unreadable files
         raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-
-
-

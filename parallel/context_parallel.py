@@ -42,10 +42,16 @@ def shard_zigzag(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Ten
 
 
 @functools.cache
+def _rank_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Positions in the row of rank 0's zigzag tokens, then rank 1's, ...: the order an all-gather concatenates
+    them in (cached: every mixer of every forward uses it)."""
+    return torch.cat([zigzag_index(seq_len, cp, r) for r in range(cp)]).to(device)
+
+
+@functools.cache
 def _natural_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
     """Index that puts the ranks' concatenated zigzag tokens back in row order."""
-    gathered = torch.cat([zigzag_index(seq_len, cp, r) for r in range(cp)])
-    return torch.argsort(gathered).to(device)
+    return torch.argsort(_rank_order(seq_len, cp, device))
 
 
 class CPContext:
@@ -65,8 +71,7 @@ class CPContext:
     def scatter_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """(..., S, ...) partial sums in natural order -> this rank's zigzag tokens of their sum over the group."""
         x = x.movedim(dim, 0)
-        by_rank = x.index_select(0, torch.cat([zigzag_index(x.shape[0], self.size, r, x.device)
-                                               for r in range(self.size)])).contiguous()
+        by_rank = x.index_select(0, _rank_order(x.shape[0], self.size, x.device)).contiguous()
         return _reduce_scatter(by_rank, "sum", 0, self.group).movedim(0, dim)
 
     def gather_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
