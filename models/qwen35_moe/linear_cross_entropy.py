@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from .gated_delta_net_fp32 import at_least_fp32
+
 IGNORE_INDEX = -100
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grads: bool):
     """Summed cross entropy of one chunk, and (if want_grads) d loss / d logits in the logits' compute dtype."""
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = at_least_fp32(h.dtype)
     logits = (h @ weight.t()).to(acc)
     valid = labels != IGNORE_INDEX
     target = torch.where(valid, labels, 0)
@@ -35,7 +37,7 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wan
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk: int):
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        acc = at_least_fp32(h.dtype)
         total = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
@@ -64,7 +66,7 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
     chunk = chunk_tokens if chunk_tokens > 0 else max(h.shape[0], 1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h, weight, labels, chunk)
-    total = torch.zeros((), dtype=torch.float64 if h.dtype == torch.float64 else torch.float32, device=h.device)
+    total = torch.zeros((), dtype=at_least_fp32(h.dtype), device=h.device)
     for start in range(0, h.shape[0], chunk):
         total += _chunk_loss(h[start:start + chunk], weight, labels[start:start + chunk], want_grads=False)[0]
     return total
