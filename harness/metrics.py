@@ -45,13 +45,22 @@ def active_matmul_params(args: Qwen35MoeArgs) -> int:
     return total + args.num_hidden_layers * moe + h * args.vocab_size
 
 
-def training_flops_per_token(args: Qwen35MoeArgs, seq_len: int) -> float:
-    attention = 12 * args.num_attention_heads * args.head_dim * seq_len
+def training_flops_per_token(args: Qwen35MoeArgs, attended: float) -> float:
+    """Training FLOPs (forward + backward) per token. `attended`: the mean number of keys a query attends to,
+    causal and within its document (`mean_attended_keys`): attention is counted by the rows' real documents,
+    not as if every query saw the whole row."""
+    attention = 12 * args.num_attention_heads * args.head_dim * attended
     dk, dv, c = args.linear_key_head_dim, args.linear_value_head_dim, GDN_CHUNK_SIZE
     # Chunked GDN forward per token and value head: 2 * (C * (3 Dk + 2 Dv) + 3 Dk Dv); x3 for training.
     gdn = 3 * 2 * args.linear_num_value_heads * (c * (3 * dk + 2 * dv) + 3 * dk * dv)
     mixers = args.num_layers_of(FULL_ATTENTION) * attention + args.num_layers_of(LINEAR_ATTENTION) * gdn
     return 6 * active_matmul_params(args) + mixers
+
+
+def mean_attended_keys(position_ids: torch.Tensor) -> float:
+    """Mean keys per query of causal attention within documents: a token at position p of its document attends
+    to p + 1 keys. `position_ids`: the rows' host positions (restarting at 0 at each document)."""
+    return (position_ids.double() + 1).mean().item()
 
 
 def peak_flops(device: torch.device) -> float | None:

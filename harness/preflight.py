@@ -2,7 +2,7 @@
 
 Paths that must exist (dataset, validation set, tokenizer, HF config and checkpoint), a known model flavor,
 a tokenizer that fits the model's vocabulary, a context-parallel degree that divides the rows and the Gated
-DeltaNet heads, and features this build does not have yet (expert parallelism). Runs without torch
+DeltaNet heads, an expert-parallel degree that divides the experts. Runs without torch
 (the models' args and flavors are plain Python), so a typo fails in well under a second.
 """
 
@@ -20,20 +20,16 @@ _TO_SET = "set it in the config file or with --{key} PATH"
 
 
 def check_run_requirements(cfg: JobConfig) -> None:
-    problems = _unavailable_features(cfg) + _dataset_problems(cfg, "training") + _checkpoint_problems(cfg)
+    problems = _dataset_problems(cfg, "training") + _checkpoint_problems(cfg)
     if cfg.validation.enable:
         problems += _dataset_problems(cfg, "validation")
     args, model_problems = _model_args(cfg)
     problems += model_problems + _tokenizer_problems(cfg, args) + _context_parallel_problems(cfg, args)
+    problems += _expert_parallel_problems(cfg, args)
     if problems:
         head = "the run cannot start: " if len(problems) > 1 else ""
         raise ConfigError(head + "; ".join(problems))
 
-
-def _unavailable_features(cfg: JobConfig) -> list[str]:
-    if cfg.parallelism.expert_parallel_degree > 1:
-        return ["parallelism.expert_parallel_degree > 1 is not available in this build yet; set it to 1"]
-    return []
 
 
 def _context_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
@@ -49,6 +45,14 @@ def _context_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> li
                         f"head counts ({args.linear_num_key_heads} and {args.linear_num_value_heads}): each rank "
                         f"runs the recurrence for its share of the heads")
     return problems
+
+
+def _expert_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep == 1 or args is None or args.num_experts % ep == 0:
+        return []
+    return [f"parallelism.expert_parallel_degree = {ep} must divide the number of experts ({args.num_experts}): "
+            f"each rank holds an equal share of every MoE layer's experts"]
 
 
 def _dataset_problems(cfg: JobConfig, section: str) -> list[str]:

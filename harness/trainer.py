@@ -20,6 +20,8 @@ from models.qwen35_moe.documents import (
     to_device,
 )
 from parallel.context_parallel import shard_zigzag, zigzag_index
+from parallel.expert_parallel import scale_expert_gradients
+from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
 
 from .checkpoint import Checkpointer, latest_complete_step
@@ -28,7 +30,7 @@ from .config import JobConfig, to_toml, validate_parallelism
 from .data import build_dataloader
 from .loss import balance_loss_share, global_label_tokens
 from .lr_schedule import build_lr_scheduler
-from .metrics import MetricsLogger, max_memory_gib, peak_flops, training_flops_per_token
+from .metrics import MetricsLogger, max_memory_gib, mean_attended_keys, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args
 from .optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
@@ -96,7 +98,6 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0, job_name=cfg.job.name,
                                      resume_step=self.step if resume_step is not None else None, tb_run=tb_run)
-        self.flops_per_token = training_flops_per_token(self.model_args, cfg.training.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.last: dict[str, float] = {}
         self.pending: list[tuple[int, torch.Tensor]] = []  # (step, unread (loss, aux_loss, grad_norm)) since the last read
@@ -157,14 +158,13 @@ class Trainer:
             ((ce + self.aux_loss_coef * aux) * self.dims.world_size).backward()
             ce_total += ce.detach()
             aux_total += aux.detach()
+        if self.dims.ep > 1:
+            scale_expert_gradients(self.model, self.dims.ep)
         losses = torch.stack((ce_total, aux_total))
         if distributed:
             torch.distributed.all_reduce(losses)
         max_norm = self.cfg.training.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), math.inf if max_norm is None else max_norm,
-                                                   foreach=True)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm_(self.model.parameters(), math.inf if max_norm is None else max_norm)
         # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -193,24 +193,29 @@ class Trainer:
         accum = self.layout.grad_accum_steps
         data = iter(self.dataloader)
         tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum // self.dims.cp
-        window_tokens, window_start = 0, time.perf_counter()
+        window_tokens, window_attended, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
         self.model.train()
         profiler = StepProfiler(cfg, self.rank, self.device, start_step=self.step)
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
                 lr = self.optimizer.param_groups[0]["lr"]
-                self.pending.append((self.step, self._step([next(data) for _ in range(accum)])))
+                batches = [next(data) for _ in range(accum)]
+                self.pending.append((self.step, self._step(batches)))
                 profiler.step(self.step)
                 window_tokens += tokens_per_step_local
+                window_attended += sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum
+                window_steps += 1
                 if self.step % cfg.metrics.log_freq == 0 or self.step in (1, cfg.training.steps):
                     last = self.read_pending()  # the host waits for the GPU here, once per log_freq steps
                     elapsed = time.perf_counter() - window_start
                     tps = window_tokens / elapsed  # per device, as torchtitan reports it
-                    mfu = None if self.peak_flops is None else tps * self.flops_per_token / self.peak_flops
+                    # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
+                    flops = training_flops_per_token(self.model_args, window_attended / window_steps)
+                    mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
                     self.metrics.log(self.step, {**last, "lr": lr, "tokens_per_sec": tps, "mfu": mfu,
                                                  "max_memory_gib": max_memory_gib(self.device)})
-                    window_tokens, window_start = 0, time.perf_counter()
+                    window_tokens, window_attended, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
                 if self.validator is not None and (self.step % cfg.validation.freq == 0
                                                    or self.step == cfg.training.steps):
                     self.read_pending()  # never validate (or save) weights a non-finite step produced

@@ -13,8 +13,9 @@ and back with two all-to-alls.
    mirror all-to-all bring each token's output back to the rank and place it came from.
 The all-to-alls are torch's functional collectives with autograd (backward: the mirror all-to-all), so
 gradients reach the router, the tokens and the local experts' weights (from every rank's tokens).
-Not wired into the trainer yet (the mesh, FSDP over the remaining data-parallel ranks and checkpoint
-resharding come with it): this file is the exchange and its test.
+
+`ExpertParallel` is what the parallelize function attaches to each SparseMoE (`_ep`); the experts' weights are
+then DTensors sharded on the expert dimension over the EP mesh (`shard_experts`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from models.qwen35_moe.moe import RoutedExperts
 
 
 def local_expert_order(received_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -55,3 +61,36 @@ def exchange(x: torch.Tensor, counts: torch.Tensor, local_experts: Callable[[tor
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
     return funcol.all_to_all_single_autograd(out.index_select(0, back).contiguous(), send, recv, group)
+
+
+class ExpertParallel:
+    """The EP group's exchange, as a MoE layer calls it: `exchange(x_sorted, counts, local_experts)`."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.group = mesh.get_group()
+
+    def exchange(self, x: torch.Tensor, counts: torch.Tensor,
+                 local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return exchange(x, counts, local_experts, self.group)
+
+
+def scale_expert_gradients(model: nn.Module, ep: int) -> None:
+    """Divide the routed experts' gradients by ep, after the backward. Each already sums the tokens of its whole
+    EP group (through the exchange's backward) and FSDP averages it over the expert-FSDP ranks (world / ep):
+    with this 1/ep it is the average over all ranks, as FSDP makes every other gradient. (Not FSDP's
+    `set_gradient_divide_factor`: torch 2.13 divides twice on a one-rank expert-FSDP mesh in fp64 and fp16.)"""
+    grads = [p.grad for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters()
+             if p.grad is not None]
+    if grads:
+        torch._foreach_div_(grads, float(ep))
+
+
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace each (E, ...) weight of `experts` by a DTensor sharded on dim 0 over the EP mesh: rank r keeps
+    experts r * E/ep ... (r + 1) * E/ep - 1. No communication (slices the local tensor, on meta too)."""
+    for name, param in list(experts.named_parameters(recurse=False)):
+        if param.shape[0] % mesh.size():
+            raise ValueError(f"{param.shape[0]} experts cannot be split evenly over {mesh.size()} EP ranks")
+        sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+        setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))

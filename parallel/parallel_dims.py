@@ -7,7 +7,14 @@ Mesh dimensions, outermost first: dp_replicate (HSDP replicas) x dp_shard (FSDP 
 parallel: the ranks that split each row; innermost, so they are neighbours, on one node where they fit).
 FSDP shards parameters over dp_shard x cp (flattened into one dimension) and replicates them over
 dp_replicate. Data parallelism is dp_replicate x dp_shard: CP ranks of one data-parallel rank read the same
-rows. Expert parallelism is validated here already (carved out of dp_shard x cp), not built yet.
+rows.
+
+Expert parallelism (ep) is carved out of dp_shard x cp, innermost, as torchtitan does: the ep neighbouring ranks
+of that flattened dimension split each MoE layer's experts, and FSDP shards the expert weights over what is left
+of it (efsdp = dp_shard * cp / ep ranks, replicated over dp_replicate). ep is a multiple of cp: the EP group is
+the CP group and ep / cp of its dp_shard neighbours, so the world mesh splits dp_shard into (efsdp, ep / cp).
+Every group is then a dimension, or a flattening of adjacent ones, of one world mesh, as FSDP needs to shard
+weights that EP already shards.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ class Meshes:
     fsdp: DeviceMesh  # what fully_shard takes: (dp_shard_cp,) or (dp_replicate, dp_shard_cp) for HSDP
     cp: DeviceMesh | None  # the CP group of this rank (None without context parallelism)
     dp_rank: int  # this rank's data-parallel index: which rows it reads
+    ep: DeviceMesh | None = None  # the EP group: ranks that split the experts (None without expert parallelism)
+    expert_fsdp: DeviceMesh | None = None  # what fully_shard takes for expert weights: (efsdp,) or HSDP's 2-D
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,10 @@ class ParallelDims:
             raise ValueError(
                 f"parallelism.expert_parallel_degree = {ep} must divide "
                 f"data_parallel_shard_degree * context_parallel_degree = {dp_shard * cp}")
+        if ep > 1 and ep % cp:
+            raise ValueError(
+                f"parallelism.expert_parallel_degree = {ep} must be a multiple of context_parallel_degree = {cp} "
+                f"(the expert group is the CP group and some of its data-parallel neighbours)")
         return cls(dp_replicate, dp_shard, cp, ep, world_size)
 
     @property
@@ -73,9 +86,20 @@ class ParallelDims:
 
         if not dist.is_initialized():
             return None
-        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp),
-                                 mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
-        shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
-        fsdp = shard_cp if self.dp_replicate == 1 else world["dp_replicate", "dp_shard_cp"]
-        dp_rank = world["dp_replicate"].get_local_rank() * self.dp_shard + world["dp_shard"].get_local_rank()
-        return Meshes(world, fsdp, world["cp"] if self.cp > 1 else None, dp_rank)
+        r, d, c, ep = self.dp_replicate, self.dp_shard, self.cp, self.ep
+        if ep == 1:
+            world = init_device_mesh(device_type, (r, d, c), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+            inner = ("dp_shard", "cp")
+        else:  # the EP group: the CP group and ep / cp of its dp_shard neighbours
+            world = init_device_mesh(device_type, (r, d * c // ep, ep // c, c),
+                                     mesh_dim_names=("dp_replicate", "efsdp", "dp_shard_in_ep", "cp"))
+            inner = ("efsdp", "dp_shard_in_ep", "cp")
+        fsdp = world[inner]._flatten("dp_shard_cp")
+        if r > 1:
+            fsdp = world["dp_replicate", "dp_shard_cp"]
+        ep_mesh = expert_fsdp = None
+        if ep > 1:
+            ep_mesh = world["dp_shard_in_ep", "cp"]._flatten("ep")
+            expert_fsdp = world["dp_replicate", "efsdp"] if r > 1 else world["efsdp"]
+        # CP is innermost, so the ranks of one data-parallel rank are consecutive: its index is rank // cp.
+        return Meshes(world, fsdp, world["cp"] if c > 1 else None, dist.get_rank() // c, ep_mesh, expert_fsdp)

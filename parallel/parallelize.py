@@ -1,6 +1,7 @@
-"""Applies context parallelism, activation checkpointing, compile and FSDP2 to a Qwen3.5-MoE model, in that fixed
-order (CP only attaches its exchanges to the mixers; AC and compile wrap each block before FSDP groups the
-blocks' parameters)."""
+"""Applies context and expert parallelism, activation checkpointing, compile and FSDP2 to a Qwen3.5-MoE model, in
+that fixed order (CP only attaches its exchanges to the mixers, EP shards the experts' weights over its mesh and
+attaches its exchange to the MoE layers; AC and compile wrap each block before FSDP groups the blocks'
+parameters)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.qwen35_moe.attention import GatedAttention
 from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
 from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet
+from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 
 from .context_parallel import CPContext
+from .expert_parallel import ExpertParallel, shard_experts
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
@@ -29,6 +33,15 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
             module._cp_mesh, module._cp = cp_mesh, context
         elif isinstance(module, GatedAttention):
             module._cp = context
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Split every MoE layer's routed experts over the EP mesh and route its tokens through the exchange."""
+    context = ExpertParallel(ep_mesh)
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            shard_experts(module.experts, ep_mesh)
+            module._ep = context
 
 
 def _saved_ops() -> set:
@@ -87,8 +100,14 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile(fullgraph=False)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               expert_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 per decoder block plus the root (embedding, final norm, lm_head).
+
+    Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
+    ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
+    the strided layouts that checkpoints must then understand). FSDP averages their gradients over that mesh
+    only: the trainer completes the average (`scale_expert_gradients`).
 
     The fp32 contract (docs/design.md): each GDN layer's SSMGate (`linear_attn._fp32_params`) and output norm
     (`linear_attn.norm`) is its own unit with an fp32 policy, so A_log, dt_bias and the norm weight are
@@ -102,20 +121,26 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         for module in layer.modules():
             if isinstance(module, Fp32ParamsModule):
                 fully_shard(module, mesh=mesh, mp_policy=fp32)
+            elif isinstance(module, RoutedExperts) and expert_mesh is not None:
+                fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1))
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype,
                            reduce_dtype: torch.dtype, ac_mode: str, compile: bool,
-                           cp_mesh: DeviceMesh | None = None) -> nn.Module:
+                           cp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
+                           expert_fsdp_mesh: DeviceMesh | None = None) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
-    context-parallel group, None without context parallelism."""
+    context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
+    group and the FSDP mesh of the experts' weights, None without expert parallelism."""
     if cp_mesh is not None:
         apply_context_parallel(model, cp_mesh)
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh)
     apply_activation_checkpointing(model, ac_mode)
     if compile:
         apply_compile(model)
     if mesh is not None:
-        apply_fsdp(model, mesh, param_dtype, reduce_dtype)
+        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh)
     return model

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .args import Qwen35MoeArgs
 
@@ -72,6 +73,8 @@ class RoutedExperts(nn.Module):
 
     gate_up_proj (E, 2I, D): rows [0, I) are the gate projection, [I, 2I) the up projection.
     down_proj (E, D, I).
+    Under expert parallelism both are DTensors sharded on the expert dimension: this rank computes with its
+    own E / ep experts (the rows of `counts` are then its local experts).
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
@@ -86,21 +89,27 @@ class RoutedExperts(nn.Module):
             return self._grouped_mm(x, counts)
         return self._loop(x, counts)
 
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts' weights (the local shard under expert parallelism)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.
+        gate_up_proj, down_proj = self._weights()
         offsets = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        gate, up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Reference path (CPU, fp32): one matmul pair per expert that received tokens.
+        # Reference path (CPU, fp32): one matmul pair per expert, also for one without tokens, so that x and every
+        # weight stay in the graph; under expert parallelism a rank may receive no tokens at all and must still
+        # run the exchange's backward (a collective) with the others.
+        gate_up_proj, down_proj = self._weights()
         outputs = []
         for e, rows in enumerate(x.split(counts.tolist())):
-            if rows.shape[0] == 0:
-                continue
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        return torch.cat(outputs) if outputs else x.new_zeros(x.shape)
+            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))
+        return torch.cat(outputs)
 
 
 class SparseMoE(nn.Module):
@@ -112,6 +121,9 @@ class SparseMoE(nn.Module):
         self.experts = RoutedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
         self.shared_expert = FeedForward(args.hidden_size, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        # Expert parallelism's token exchange (parallel/expert_parallel.py), attached by the parallelize function:
+        # then `experts` holds this rank's share of the experts and the other ranks' tokens come to them.
+        self._ep = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, S, D) -> output (B, S, D), expert counts (E,) and router probability sums (E,), both fp32."""
@@ -125,7 +137,10 @@ class SparseMoE(nn.Module):
         token_of = order // self.top_k
         # Tokens per expert; not torch.bincount, whose output size depends on the data (a host sync on a GPU).
         counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-        routed = self.experts(x[token_of], counts)  # (N * k, D)
+        if self._ep is None:
+            routed = self.experts(x[token_of], counts)  # (N * k, D)
+        else:
+            routed = self._ep.exchange(x[token_of], counts, self.experts)
         routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, routed)
 

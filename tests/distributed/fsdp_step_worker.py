@@ -1,16 +1,19 @@
 """Worker for test_fsdp: a validation pass, then the trainer's first optimizer step of the debug model on the
 real data pipeline, with the MoE balance loss on. Rank 0 saves the initial weights, the validation loss, the
 step's losses and grad norm and the full gradients.
-Run as one plain process or under torchrun (gloo); extra arguments are config overrides."""
+Run as one plain process or under torchrun (gloo); extra arguments are config overrides, after an optional
+`--skewed-routing` (see `skewed_router`)."""
 
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from harness.config import load_config
 from harness.trainer import Trainer
 from models.qwen35_moe.init import canonical_name
+from models.qwen35_moe.moe import TopKRouter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GLOBAL_BATCH = 4
@@ -33,14 +36,27 @@ def documents_across_chunk_edges(batch: dict) -> dict:
     return batch
 
 
+def skewed_router(self, x):
+    """TopKRouter.forward with unbalanced routing, a function of each token alone (so the same in every
+    layout): experts 0 and 1 never receive a token (under EP=4 rank 0 then receives none at all), expert 2
+    only tokens whose first feature is positive."""
+    logits = F.linear(x, self.weight).float()
+    logits[:, :2] = -1e4
+    logits[:, 2] = torch.where(x[:, 0] > 0, logits[:, 2], -1e4)
+    probs = logits.softmax(dim=-1)
+    weights, ids = probs.topk(self.top_k, dim=-1)
+    return probs, weights / weights.sum(dim=-1, keepdim=True), ids
+
+
 def main(out_path: str, *overrides: str) -> None:
+    if overrides and overrides[0] == "--skewed-routing":
+        TopKRouter.forward, overrides = skewed_router, overrides[1:]
     # float64: the layouts differ only in summation order, which float64 keeps near 1e-16, so any difference
     # beyond that is a bug. (In fp32 the GDN decay parameters' gradients, sums of nearly cancelling terms,
     # vary by up to 1e-3 relative between any two summation orders.)
     torch.set_default_dtype(torch.float64)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     settings = dict(zip(overrides[::2], overrides[1::2]))
-    replicas = int(settings.get("--parallelism.data_parallel_replicate_degree", 1))
     cp = int(settings.get("--parallelism.context_parallel_degree", 1))
     cfg = load_config([
         "--config", os.path.join(REPO, "train_configs", "debug_model.toml"),
@@ -48,7 +64,7 @@ def main(out_path: str, *overrides: str) -> None:
         "--training.seq_len", "64", "--training.local_batch_size", str(GLOBAL_BATCH * cp // world),
         "--training.aux_loss_coef", "0.1",  # on, and large enough to matter in the router gradients
         "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", os.path.join(os.path.dirname(out_path), f"dump_{world}_{replicas}_{cp}"),
+        "--job.dump_folder", os.path.join(os.path.dirname(out_path), "dump_" + os.path.basename(out_path)),
         "--training.dataset_cache_dir", os.path.join(os.path.dirname(out_path), "dataset_cache"),
         "--validation.enable", "true", "--validation.steps", "2",
         "--validation.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),

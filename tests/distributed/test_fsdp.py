@@ -1,7 +1,8 @@
 """Parallel layouts on CPU ranks (gloo) against one process, through the trainer and the real data pipeline:
-FSDP and HSDP on 2 ranks, context parallelism on 2 ranks and CP=2 x FSDP=2 on 4. The same seed gives the same
-initial weights, and the same global batch gives the same loss, MoE balance loss, validation loss and
-gradients, whatever the layout (in float64, where only summation order differs)."""
+FSDP and HSDP on 2 ranks, context parallelism on 2 ranks and CP=2 x FSDP=2 on 4, expert parallelism on 2 and 4
+ranks alone and with FSDP, HSDP and CP. The same seed gives the same initial weights, and the same global batch
+gives the same loss, MoE balance loss, validation loss and gradients, whatever the layout (in float64, where only
+summation order differs)."""
 
 import os
 import subprocess
@@ -13,6 +14,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "distributed" / "fsdp_step_worker.py")
+SKEWED = "--skewed-routing"
 def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
             "--rdzv-endpoint=localhost:0"]
@@ -31,6 +33,15 @@ def single(tmp_path_factory):
     return tmp, torch.load(tmp / "single.pt")
 
 
+@pytest.fixture(scope="module")
+def single_skewed(tmp_path_factory):
+    """One process with unbalanced routing: experts 0 and 1 get no token, expert 2 some (the worker's
+    `skewed_router`)."""
+    tmp = tmp_path_factory.mktemp("fsdp_skewed")
+    run([sys.executable, WORKER, str(tmp / "single.pt"), SKEWED], tmp)
+    return tmp, torch.load(tmp / "single.pt")
+
+
 LAYOUTS = {  # name: (processes, config overrides)
     "fsdp2": (2, []),
     "hsdp2": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
@@ -38,6 +49,14 @@ LAYOUTS = {  # name: (processes, config overrides)
     "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2"]),
     # op-level activation checkpointing with FSDP's fp32 units nested in each block, and under CP
     "cp2_selective_ac": (2, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
+}
+EP = "--parallelism.expert_parallel_degree"
+EP_LAYOUTS = {  # unbalanced routing (SKEWED): under EP=4, rank 0's two experts receive no token from any rank
+    "ep2": (2, [EP, "2"]),
+    "ep4": (4, [EP, "4"]),
+    "ep2_fsdp2": (4, [EP, "2"]),  # the experts' weights FSDP-sharded over the 2 ranks EP leaves
+    "ep2_hsdp2": (4, [EP, "2", "--parallelism.data_parallel_replicate_degree", "2"]),
+    "ep2_cp2": (4, [EP, "2", "--parallelism.context_parallel_degree", "2"]),  # the EP group is the CP group
 }
 
 
@@ -47,8 +66,20 @@ def test_ranks_match_single_process(single, name):
     tmp, ref = single
     nproc, layout = LAYOUTS[name]
     run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), *layout], tmp)
-    got = torch.load(tmp / f"{name}.pt")
+    assert_same_step(torch.load(tmp / f"{name}.pt"), ref)
 
+
+@pytest.mark.parametrize("name", list(EP_LAYOUTS))
+def test_expert_parallel_matches_single_process(single_skewed, name):
+    tmp, ref = single_skewed
+    unused = ref["grads"]["layers.0.mlp.experts.gate_up_proj"][:2]
+    assert torch.count_nonzero(unused) == 0  # the routing is as unbalanced as intended
+    nproc, layout = EP_LAYOUTS[name]
+    run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), SKEWED, *layout], tmp)
+    assert_same_step(torch.load(tmp / f"{name}.pt"), ref)
+
+
+def assert_same_step(got: dict, ref: dict) -> None:
     # Initial weights depend on the seed only, not on the world size or mesh: bitwise equal.
     assert got["initial"].keys() == ref["initial"].keys()
     for key, value in ref["initial"].items():

@@ -1,6 +1,7 @@
 """Checkpoints across processes, through run_train.sh as a user runs it (FSDP over 2 gloo ranks on CPU):
 SIGTERM mid-run then relaunch equals the uninterrupted run bit for bit; a checkpoint saved by 2 ranks resumes
-on 1 and the reverse, also from and to context parallelism; Ctrl-C stops with one line, after saving."""
+on 1 and the reverse, also from and to context parallelism, and from and to expert parallelism; Ctrl-C stops
+with one line, after saving."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from harness.convert import main as convert_main
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
@@ -108,6 +111,37 @@ def test_a_checkpoint_moves_between_context_parallel_and_one_process(uninterrupt
     assert sorted(got) == list(range(1, 9))
     for step in range(5, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+
+
+@pytest.mark.parametrize("saved_with_ep", [True, False])
+def test_a_checkpoint_moves_between_expert_parallel_and_fsdp(uninterrupted, tmp_path, saved_with_ep):
+    """EP=2 over 2 ranks (each rank holds half of every layer's experts) trains like FSDP=2 (each rank holds half
+    of every expert's rows): a checkpoint of one resumes in the other. The first resumed step is bitwise the
+    step the saving run took, so weights, optimizer state and data position came back whole."""
+    if saved_with_ep:
+        run(tmp_path / "saved", 2, *EP2, "--checkpoint.interval", "4")
+        for step, loss in losses(uninterrupted / "ref2").items():  # EP changes no number here (measured: bitwise)
+            assert losses(tmp_path / "saved")[step] == pytest.approx(loss, rel=1e-6), step
+        # The offline converter reads the EP-sharded experts of the DCP step into the end-of-run export's bytes.
+        assert convert_main([str(tmp_path / "saved" / "checkpoint" / "step-8"), str(tmp_path / "converted")]) == 0
+        for exported in (tmp_path / "saved" / "hf").glob("*.safetensors"):
+            assert (tmp_path / "converted" / exported.name).read_bytes() == exported.read_bytes(), exported.name
+    else:
+        shutil.copytree(uninterrupted / "ref2", tmp_path / "saved")
+    shutil.copytree(tmp_path / "saved", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-8")  # as if the job had died after step 4's save
+    metrics = tmp_path / "run" / "metrics.jsonl"  # keep steps 1-4: steps 5-8 must come from the resumed run
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:4]))
+    result = run(tmp_path / "run", 2, *(() if saved_with_ep else EP2), "--checkpoint.interval", "4")
+    assert "resumed from checkpoint" in result.stderr
+    got, want = losses(tmp_path / "run"), losses(tmp_path / "saved")
+    assert sorted(got) == list(range(1, 9))
+    assert got[5] == want[5]
+    for step in range(6, 9):  # measured: bitwise up to step 7, then 1e-7 (other gradient summation order)
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
 
 def test_async_saves_on_two_ranks_change_nothing_and_complete(uninterrupted, tmp_path):

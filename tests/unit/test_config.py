@@ -254,6 +254,7 @@ def test_parallelism_accepts_expert_parallel_over_shard_and_cp():
     (dict(data_parallel_replicate_degree=-1), 8, "data_parallel_replicate_degree"),
     (dict(expert_parallel_degree=4), 6, "expert_parallel_degree"),
     (dict(data_parallel_replicate_degree=2, expert_parallel_degree=8), 8, "expert_parallel_degree"),
+    (dict(context_parallel_degree=4, expert_parallel_degree=2), 8, "multiple of context_parallel_degree"),
 ])
 def test_parallelism_rejects_impossible_layouts(degrees, world, match):
     with pytest.raises(ConfigError, match=match):
@@ -292,3 +293,15 @@ def test_shipped_configs_are_valid_except_for_the_paths_a_user_must_set(name, wo
             assert other not in message, message
     if name == "qwen35_moe_long.toml":
         assert (dims.cp, dims.dp_shard, cfg.training.seq_len) == (4, 2, 65536)
+
+
+def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_named_before_anything_starts():
+    from pathlib import Path
+
+    from harness.preflight import check_run_requirements
+
+    data = str(Path(__file__).resolve().parents[2] / "data" / "debug_corpus" / "train.jsonl")
+    cfg = load_config(["--training.dataset_path", data, "--parallelism.expert_parallel_degree", "3"])
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree = 3 must divide the number of experts \(8\)"):
+        check_run_requirements(cfg)
+    check_run_requirements(load_config(["--training.dataset_path", data, "--parallelism.expert_parallel_degree", "4"]))

@@ -1,0 +1,21 @@
+"""MFU's FLOP count credits attention with the keys each query really attends to in packed rows."""
+
+import pytest
+import torch
+
+from harness.metrics import mean_attended_keys, training_flops_per_token
+from models.qwen35_moe import get_flavor
+from models.qwen35_moe.args import FULL_ATTENTION
+
+
+def test_attention_is_counted_per_query_by_its_own_documents_keys():
+    args = get_flavor("35B-A3B")
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]])  # documents of 3, 5 and 8 tokens
+    # Written out: forward QK^T and PV are 2 + 2 FLOPs per (query, key, head dim, head); training is 3x forward.
+    per_query = [4 * args.num_attention_heads * args.head_dim * (p + 1) * 3 for p in positions.flatten().tolist()]
+    want = args.num_layers_of(FULL_ATTENTION) * sum(per_query) / positions.numel()
+    attended = mean_attended_keys(positions)
+    assert attended == (6 + 15 + 36) / 16
+    assert training_flops_per_token(args, attended) - training_flops_per_token(args, 0) == pytest.approx(want)
+    # A row of one document: causal, each query sees half the row on average, not all of it.
+    assert mean_attended_keys(torch.arange(4096)[None]) == 4097 / 2
