@@ -117,7 +117,7 @@ class Parallelism:
     data_parallel_replicate_degree: int = 1  # DDP / HSDP replicas
     data_parallel_shard_degree: int = -1  # FSDP shards; -1 = the rest of the world
     context_parallel_degree: int = 1  # ranks that split every row (zigzag); divides the GDN heads and seq_len / 2
-    expert_parallel_degree: int = 1  # must divide data_parallel_shard_degree * context_parallel_degree
+    expert_parallel_degree: int = 1  # splits the experts; divides dp_shard * cp, a multiple of cp, divides the experts
 
 
 @dataclass

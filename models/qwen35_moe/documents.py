@@ -55,7 +55,7 @@ def to_device(t: torch.Tensor | None, device) -> torch.Tensor | None:
     if t is None or t.device == torch.device(device):
         return t
     if torch.device(device).type == "cuda":
-        t = t.pin_memory()
+        t = t.contiguous().pin_memory()  # an expanded view (rows sharing their positions) cannot be pinned
     return t.to(device, non_blocking=True)
 
 

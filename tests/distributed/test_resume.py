@@ -157,3 +157,30 @@ def test_ctrl_c_saves_and_stops_with_one_line(tmp_path):
     assert len(lines) == 1 and "saved checkpoint" in lines[0]
     assert "Traceback" not in stopped.stderr
     assert any((tmp_path / "checkpoint").glob("step-*/COMPLETE"))
+
+
+def test_a_four_rank_composed_checkpoint_resumes_on_two_ranks_and_on_one(tmp_path):
+    """FSDP=2 x CP=2 with EP=2 over 4 ranks (issue 12's layout, on CPU), saved at step 2: resumed by plain FSDP
+    over 2 ranks and by one process, each continues the 4-rank run (same global batch: 2 rows per step)."""
+    composed = ("--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2",
+                *EP2)
+    short = ("--training.steps", "4", "--checkpoint.interval", "2", "--training.local_batch_size", "1",
+             "--training.global_batch_size", "2")
+    run(tmp_path / "saved", 4, *composed, *short)
+    want = losses(tmp_path / "saved")
+    for ngpu in (2, 1):
+        resumed = tmp_path / f"on{ngpu}"
+        shutil.copytree(tmp_path / "saved", resumed)
+        shutil.rmtree(resumed / "checkpoint" / "step-4")
+        shutil.rmtree(resumed / "hf")
+        (resumed / "metrics.jsonl").write_text("".join(
+            line + "\n" for line in (resumed / "metrics.jsonl").read_text().splitlines()[:2]))
+        local = ("--training.local_batch_size", str(2 // ngpu))
+        result = run(resumed, ngpu, *short, *local)
+        assert "resumed from checkpoint" in result.stderr and f"saved by 4 ranks, resumed by {ngpu}" in result.stderr
+        got = losses(resumed)
+        for step in (3, 4):  # other summation order (CP's head-parallel GDN, EP's expert sums): ~1e-7 relative
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (ngpu, step)
+        # The export of the resumed run holds the same tensors as the 4-rank run's (same keys; values within fp32
+        # summation-order noise after two more steps).
+        assert sorted(p.name for p in (resumed / "hf").iterdir()) == sorted(p.name for p in (tmp_path / "saved" / "hf").iterdir())

@@ -1,0 +1,126 @@
+"""Per-GPU memory of a training configuration, predicted from parameter counts, and which Qwen3.5-35B-A3B
+configurations fit.
+
+    python benchmarks/memory_model.py                 # the table for 35B-A3B (README, "Memory")
+    python benchmarks/memory_model.py --check         # the prediction against the peaks measured on GPU
+
+The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 compute, fp32 master weights):
+- states: 16 B per parameter / S: fp32 weights, fp32 gradients, AdamW's two fp32 moments (FSDP shards them all;
+  the experts over ep * efsdp = S ranks as well, so EP does not change this term);
+- gathered: GATHER_BYTES per parameter of one block: FSDP's all-gathered bf16 weights of the block in use and
+  the prefetched one, and in backward their gradients on their way to the reduce-scatter; under EP a block
+  gathers only its E / ep local experts;
+- activations: per token on this GPU, WORKING_BYTES for the block being recomputed (full AC) and the saved
+  block inputs (2 B x hidden per block); without AC, LAYER_BYTES for every block;
+- FIXED: the rest (the root's gathered embedding and lm_head, the chunked cross entropy's one chunk of logits,
+  CUDA context and NCCL buffers), fitted.
+Fitted on measured peaks: WORKING_BYTES and FIXED on CP=1 at 32k and 64k (4 layers, 16 experts, full AC: slope
+and intercept over tokens), GATHER_BYTES on FSDP=2 against EP=2 with 256 experts (the difference is the experts
+EP does not gather), LAYER_BYTES on one run without AC. Every peak in MEASURED is then predicted (`--check`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench_model import bench_args  # noqa: E402
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor  # noqa: E402
+
+GIB = 1024**3
+WORKING_BYTES = 367_000  # per token: (34.7 - 23.0) GiB / 32k tokens, less the 4 saved block inputs (16 KiB)
+GATHER_BYTES = 5  # per block parameter: (39.3 - 37.4) GiB / the 403M expert parameters EP=2 does not gather
+FIXED_GIB = 0.8  # 23.0 GiB at 32k less the states (10.1 GiB), the gathered block (0.4 GiB) and the activations
+LAYER_BYTES = 263_000  # per token and block without AC: 8 layers, 32 experts, 8k tokens on one GPU, 49.1 GiB
+
+
+@dataclass(frozen=True)
+class Setup:
+    gpus: int
+    ep: int = 1
+    cp: int = 1
+    replicate: int = 1
+    seq: int = 4096
+    local_batch: int = 1
+    ac: str = "full"
+
+
+def parameter_counts(args: Qwen35MoeArgs) -> dict[str, int]:
+    with torch.device("meta"):
+        model = Qwen35MoeModel(args)
+    named = list(model.named_parameters())
+    experts = sum(p.numel() for n, p in named if ".experts." in n)
+    root = sum(p.numel() for n, p in named if not n.startswith("layers."))
+    return {"total": sum(p.numel() for _, p in named), "experts": experts, "root": root}
+
+
+def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
+    counts = parameter_counts(args)
+    layers = args.num_hidden_layers
+    shards = s.gpus // s.replicate
+    states = 16 * counts["total"] / shards
+    block_dense = (counts["total"] - counts["experts"] - counts["root"]) / layers
+    block = block_dense + counts["experts"] / layers / s.ep
+    gathered = GATHER_BYTES * block
+    tokens = s.seq * s.local_batch // s.cp
+    if s.ac == "none":
+        activations = tokens * layers * LAYER_BYTES
+    else:
+        activations = tokens * (WORKING_BYTES + layers * 2 * args.hidden_size)
+    return (states + gathered + activations) / GIB + FIXED_GIB
+
+
+# Peaks measured on H200 (benchmarks/train_throughput.py and hf_baseline.py, qwen35_moe.toml otherwise: full AC,
+# local batch 1): (layers, experts, setup, GiB)
+MEASURED = [
+    (4, 16, Setup(gpus=2, seq=32768), 23.0),
+    (4, 16, Setup(gpus=2, seq=65536), 34.7),
+    (4, 16, Setup(gpus=2, cp=2, seq=65536), 23.2),
+    (4, 16, Setup(gpus=2, cp=2, seq=131072), 35.0),
+    (4, 256, Setup(gpus=2), 39.3),
+    (4, 256, Setup(gpus=2, ep=2), 37.4),
+    (8, 32, Setup(gpus=1, local_batch=2), 35.2),
+    (8, 32, Setup(gpus=1, local_batch=2, ac="none"), 49.1),
+    (8, 32, Setup(gpus=2, local_batch=2, ac="none"), 37.6),
+]
+
+RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
+    ("8 x 80 GB", Setup(gpus=8, ep=8)),
+    ("8 x 80 GB", Setup(gpus=8, ep=8, seq=8192)),
+    ("16 x 80 GB", Setup(gpus=16, ep=8, seq=8192)),
+    ("16 x 80 GB", Setup(gpus=16, ep=8, cp=2, seq=32768)),
+    ("8 x 141 GB", Setup(gpus=8, ep=8, seq=16384)),
+    ("8 x 141 GB", Setup(gpus=8, ep=8, cp=2, seq=65536)),
+    ("8 x 141 GB", Setup(gpus=8, ep=8, cp=4, seq=131072)),
+    ("8 x 141 GB", Setup(gpus=8, ep=8, ac="none", seq=4096)),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", action="store_true", help="predictions against the measured peaks")
+    ns = parser.parse_args()
+    if ns.check:
+        for layers, experts, setup, measured in MEASURED:
+            predicted = predict_gib(bench_args(layers, experts), setup)
+            print(f"{layers}L/{experts}E {setup}: predicted {predicted:.1f} GiB, measured {measured:.1f} GiB "
+                  f"({predicted / measured - 1:+.0%})")
+        return 0
+    args = get_flavor("35B-A3B")
+    counts = parameter_counts(args)
+    print(f"Qwen3.5-35B-A3B: {counts['total'] / 1e9:.1f}B parameters ({counts['experts'] / 1e9:.1f}B in routed "
+          f"experts); per-GPU memory predicted:")
+    for gpus, setup in RECIPES:
+        print(f"  {gpus:11s} {setup}: {predict_gib(args, setup):.1f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
