@@ -1,5 +1,5 @@
 """Worker for test_hf_load: build the debug model through the trainer with checkpoint.initial_load_hf (rank 0
-reads, every rank keeps its shard) and save the full weights from rank 0."""
+reads, every rank keeps its shard) and save the full weights from rank 0. Extra arguments are config overrides."""
 
 import os
 import sys
@@ -12,13 +12,13 @@ from harness.trainer import Trainer
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(out_path: str, hf_folder: str) -> None:
+def main(out_path: str, hf_folder: str, *overrides: str) -> None:
     cfg = load_config([
         "--config", os.path.join(REPO, "train_configs", "debug_model.toml"),
         "--training.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
         "--training.seq_len", "64", "--metrics.enable_tensorboard", "false",
         "--job.dump_folder", os.path.join(os.path.dirname(out_path), "dump"),
-        "--checkpoint.initial_load_hf", hf_folder,
+        "--checkpoint.initial_load_hf", hf_folder, *overrides,
     ])
     trainer = Trainer(cfg)
     weights = {}
@@ -30,4 +30,4 @@ def main(out_path: str, hf_folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

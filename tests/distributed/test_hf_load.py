@@ -1,6 +1,6 @@
 """checkpoint.initial_load_hf on 2 gloo ranks: rank 0 reads the HF checkpoint one tensor at a time (per-expert
 weights fused one tensor at a time) and scatters it; every rank ends with exactly the checkpoint's weights, for
-the text-only fused layout and the multimodal per-expert one."""
+the text-only fused layout and the multimodal per-expert one, also into experts split over the ranks (EP=2)."""
 
 import os
 import subprocess
@@ -38,8 +38,11 @@ def multimodal_per_expert(hf: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", ["text_fused", "multimodal_per_expert"])
-def test_two_ranks_load_exactly_the_checkpoints_weights(tmp_path, layout):
+@pytest.mark.parametrize("layout, overrides", [
+    ("text_fused", []), ("multimodal_per_expert", []),
+    ("multimodal_per_expert", ["--parallelism.expert_parallel_degree", "2"]),
+])
+def test_two_ranks_load_exactly_the_checkpoints_weights(tmp_path, layout, overrides):
     source = initialized_model(get_flavor("debugmodel"), seed=7)
     folder = tmp_path / "hf"
     save_hf_checkpoint(source.state_dict(), source.args, folder, dtype=torch.float32, max_shard_bytes=200_000)
@@ -52,7 +55,7 @@ def test_two_ranks_load_exactly_the_checkpoints_weights(tmp_path, layout):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", WORKER, str(tmp_path / "w.pt"),
-                             str(folder)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                             str(folder), *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded, want = torch.load(tmp_path / "w.pt"), source.state_dict()
     assert loaded.keys() == want.keys()
