@@ -31,7 +31,6 @@ def check_run_requirements(cfg: JobConfig) -> None:
         raise ConfigError(head + "; ".join(problems))
 
 
-
 def _context_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
     cp = cfg.parallelism.context_parallel_degree
     if cp == 1:
