@@ -1,0 +1,237 @@
+"""Composed meshes on one 4-GPU node: losses against one GPU, tokens/s against two, checkpoints moved between
+mesh shapes, and the longest row context parallelism trains (the 4-layer Qwen3.5-35B-A3B-shaped model of
+bench_model.py, full activation checkpointing, debug corpus).
+
+    python benchmarks/composed_mesh.py layouts  [--experts 256] [--seq 4096] [--work DIR]
+    python benchmarks/composed_mesh.py reshard  [--experts 64]  [--seq 4096] [--work DIR]
+    python benchmarks/composed_mesh.py longest  [--experts 16]  [--seq L]
+    (--flavor debugmodel --experts 8 --seq 256: the same runs as a quick check on CPU, 4 gloo processes)
+
+layouts  Every run takes 4 rows of --seq tokens per optimizer step (global batch 4), so the losses compare step
+         by step with one GPU:
+           1gpu        one GPU, 2 rows per micro-batch, 2 micro-batches: the reference
+           1gpu_accum4 one GPU, 1 row x 4 micro-batches: the same sums in another order, i.e. the bf16 noise level
+           dp2cp2ep2   4 GPUs, FSDP over 2 x CP 2, experts split over the CP pair (EP=2)
+           hsdp2x2     4 GPUs, 2 replicas x FSDP over 2
+         and two 2-GPU runs with the same per-GPU work as a 4-GPU layout (their global batch is 2, so only their
+         tokens/s is compared): cp2ep2 for dp2cp2ep2, fsdp2 for hsdp2x2.
+reshard  A dp2cp2ep2 run saves at step 3 and exports at step 6; its step-3 checkpoint resumes on 2 GPUs (FSDP=2)
+         and on one, each exporting at step 6. Prints the resumed losses against the 4-GPU run's, and the held-out
+         loss transformers computes from each export.
+longest  CP=2 at --seq and at 2 x --seq (expected not to fit), then CP=4 at 2 x --seq and 4 x --seq: the longest
+         power-of-two row each trains. Default --seq: 512k tokens on 141 GB GPUs, 256k on 80 GB.
+
+The 1- and 2-GPU runs of a stage share the node (disjoint GPUs, at the same time); the 4-GPU runs are alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench_model import run_figures  # noqa: E402
+
+THROUGHPUT = REPO / "benchmarks" / "train_throughput.py"
+FULL_AC = ("--activation_checkpoint.mode", "full")
+
+
+def flags(dp_shard: int = -1, cp: int = 1, ep: int = 1, replicate: int = 1) -> tuple[str, ...]:
+    return ("--parallelism.data_parallel_shard_degree", str(dp_shard), "--parallelism.context_parallel_degree",
+            str(cp), "--parallelism.expert_parallel_degree", str(ep), "--parallelism.data_parallel_replicate_degree",
+            str(replicate))
+
+
+class Run:
+    """One torchrun of train_throughput.py on the GPUs `gpus` (e.g. "0,1"), its output under work/name."""
+
+    flavor = "35B-A3B"
+
+    def __init__(self, work: Path, name: str, gpus: str, experts: int, steps: int, *overrides: str):
+        self.name, self.folder, self.gpus = name, work / name, gpus
+        self.folder.mkdir(parents=True, exist_ok=True)
+        ngpu = len(gpus.split(","))
+        port = 29500 + int(gpus.split(",")[0]) + 10 * ngpu
+        self.argv = ["torchrun", "--nproc-per-node", str(ngpu), "--master-port", str(port), str(THROUGHPUT),
+                     "--flavor", self.flavor, "--layers", "4", "--experts", str(experts), "--steps", str(steps),
+                     "--warmup", str(min(3, steps - 2)), "--work", str(self.folder), "--", *FULL_AC, *overrides]
+        self.proc = None
+
+    def start(self) -> "Run":
+        log = open(self.folder / "log", "w")
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpus}
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+        return self
+
+    def wait(self) -> int:
+        code = self.proc.wait()
+        print(f"mesh: {self.name} on GPUs {self.gpus}: exit {code}", flush=True)
+        return code
+
+    @property
+    def out(self) -> Path:
+        return self.folder / "out"
+
+    def losses(self) -> dict[int, float]:
+        rows = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r and "tokens_per_sec" in r}
+
+    def figures(self) -> dict | None:
+        path = self.out / "metrics.jsonl"
+        return run_figures(path, min(3, len(self.losses()) - 2)) if path.exists() else None
+
+
+def stage(*runs: Run) -> list[int]:
+    """Start the runs together (they use disjoint GPUs) and wait for all."""
+    for run in runs:
+        run.start()
+    return [run.wait() for run in runs]
+
+
+def largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
+    return max(abs(a[s] - b[s]) for s in a if s in b)
+
+
+def layouts(work: Path, experts: int, seq: int) -> None:
+    steps, batch = 10, ("--training.seq_len", str(seq), "--training.global_batch_size", "4")
+    one = Run(work, "1gpu", "0", experts, steps, *batch, "--training.local_batch_size", "2")
+    accum = Run(work, "1gpu_accum4", "1", experts, steps, *batch, "--training.local_batch_size", "1")
+    fsdp2 = Run(work, "fsdp2", "2,3", experts, steps, "--training.seq_len", str(seq), "--training.local_batch_size", "1")
+    cp2ep2 = Run(work, "cp2ep2", "2,3", experts, steps, "--training.seq_len", str(seq),
+                 "--training.local_batch_size", "2", *flags(cp=2, ep=2))
+    composed = Run(work, "dp2cp2ep2", "0,1,2,3", experts, steps, *batch, "--training.local_batch_size", "2",
+                   *flags(dp_shard=2, cp=2, ep=2))
+    hsdp = Run(work, "hsdp2x2", "0,1,2,3", experts, steps, *batch, "--training.local_batch_size", "1",
+               *flags(dp_shard=2, replicate=2))
+    one.start(), accum.start()
+    stage(fsdp2)
+    stage(cp2ep2)
+    one.wait(), accum.wait()
+    stage(composed)
+    stage(hsdp)
+
+    reference = one.losses()
+    print(f"mesh: layouts, 4 layers, {experts} experts, 4 rows x {seq} tokens per step, full AC, {steps} steps")
+    print("mesh: step " + " ".join(f"{s:>8}" for s in sorted(reference)))
+    for run in (one, accum, composed, hsdp):
+        got = run.losses()
+        print(f"mesh: {run.name:<12}" + " ".join(f"{got.get(s, float('nan')):8.4f}" for s in sorted(reference)))
+    for run in (accum, composed, hsdp):
+        got = run.losses()
+        print(f"mesh: {run.name} vs 1gpu: step-1 |d| {abs(got[1] - reference[1]):.2e}, largest |d| "
+              f"{largest_gap(got, reference):.2e}")
+    for run in (one, accum, fsdp2, cp2ep2, composed, hsdp):
+        fig = run.figures()
+        mfu = "n/a" if not fig or fig["mfu"] is None else f"{fig['mfu']:.1%}"
+        print(f"mesh: {run.name:<12} tokens/s per GPU {fig['tokens_per_sec']:>8,.0f}  MFU {mfu}  "
+              f"peak {fig['max_memory_gib']:.1f} GiB" if fig else f"mesh: {run.name}: no figures")
+    for four, two in ((composed, cp2ep2), (hsdp, fsdp2)):
+        a, b = four.figures(), two.figures()
+        if a and b:
+            print(f"mesh: {four.name} / {two.name} tokens/s per GPU: {a['tokens_per_sec'] / b['tokens_per_sec']:.3f}")
+
+
+def held_out_loss(hf_folder: Path, tokens: int) -> float:
+    """transformers' mean next-token loss of an exported folder on the corpus's last documents."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids: list[int] = []
+    for line in reversed((REPO / "data" / "debug_corpus" / "train.jsonl").read_text().splitlines()):
+        ids = [tok.bos_id, *tok.encode(json.loads(line)["text"])] + ids
+        if len(ids) >= tokens:
+            break
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = torch.tensor([ids[-tokens:]], device=device)
+    model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.bfloat16).to(device).eval()
+    with torch.no_grad():
+        return model(input_ids=batch, labels=batch).loss.item()
+
+
+def reshard(work: Path, experts: int, seq: int) -> None:
+    ckpt = ("--training.seq_len", str(seq), "--training.global_batch_size", "2", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--checkpoint.export_hf_at_end", "true")
+    saved = Run(work, "saved_dp2cp2ep2", "0,1,2,3", experts, 6, *ckpt, "--training.local_batch_size", "1",
+                *flags(dp_shard=2, cp=2, ep=2))
+    stage(saved)
+    resumed = []
+    for name, gpus, local in (("resumed_fsdp2", "0,1", "1"), ("resumed_1gpu", "2", "2")):
+        run = Run(work, name, gpus, experts, 6, *ckpt, "--training.local_batch_size", local)
+        # The 4-GPU run's folder up to step 3: checkpoint shards as hard links (read only; no copy of GBs), the
+        # small files (metrics.jsonl, config) as copies, which the resumed run rewrites.
+        shutil.copytree(saved.out, run.out, ignore=shutil.ignore_patterns("step-6", "hf"),
+                        copy_function=lambda a, b: os.link(a, b) if os.path.getsize(a) > 2**20 else shutil.copy2(a, b))
+        resumed.append(run)
+    stage(*resumed)
+    want = saved.losses()
+    print(f"mesh: reshard, 4 layers, {experts} experts, 2 rows x {seq} per step; saved at step 3 by dp2cp2ep2")
+    for run in resumed:
+        text = (run.folder / "log").read_text()
+        got = run.losses()
+        note = next((line.strip() for line in text.splitlines() if "resumed by" in line), "NO RESHARD LINE")
+        print(f"mesh: {run.name}: {note[-150:]}")
+        print(f"mesh: {run.name} steps 4-6 " + " ".join(f"{got.get(s, float('nan')):.4f}" for s in (4, 5, 6))
+              + "  vs 4 GPUs " + " ".join(f"{want[s]:.4f}" for s in (4, 5, 6))
+              + f"  largest |d| {max(abs(got[s] - want[s]) for s in (4, 5, 6)):.2e}")
+    for run in (saved, *resumed):
+        hf = run.out / "hf"
+        size = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / 2**30
+        print(f"mesh: {run.name} export {size:.2f} GiB, transformers held-out loss {held_out_loss(hf, seq):.4f}", flush=True)
+
+
+def longest(work: Path, experts: int, seq: int) -> None:
+    def cp_run(cp: int, length: int, gpus: str) -> Run:
+        return Run(work, f"cp{cp}_{length // 1024}k", gpus, experts, 3, "--training.seq_len", str(length),
+                   "--training.local_batch_size", "1", *flags(cp=cp))
+
+    print(f"mesh: longest row, 4 layers, {experts} experts, full AC, 1 row per step")
+    runs = [cp_run(2, seq, "0,1"), cp_run(2, 2 * seq, "2,3")]
+    codes = stage(*runs)
+    runs2 = [cp_run(4, 2 * seq, "0,1,2,3")]
+    codes += stage(*runs2)
+    if codes[-1] == 0:
+        runs2.append(cp_run(4, 4 * seq, "0,1,2,3"))
+        codes += stage(runs2[-1])
+    for run, code in zip(runs + runs2, codes):
+        fig = run.figures() if code == 0 else None
+        print(f"mesh: {run.name:<10} " + (f"trains: tokens/s per GPU {fig['tokens_per_sec']:,.0f}, peak "
+                                         f"{fig['max_memory_gib']:.1f} GiB" if fig else f"does not fit (exit {code})"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["layouts", "reshard", "longest"])
+    parser.add_argument("--experts", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None,
+                        help="tokens per row (layouts, reshard: 4096); longest: CP=2's row (default by GPU memory)")
+    parser.add_argument("--flavor", default="35B-A3B", help="layer shapes (debugmodel: a quick check on CPU)")
+    parser.add_argument("--work", default=None)
+    ns = parser.parse_args()
+    work = Path(ns.work or tempfile.mkdtemp(prefix=f"qwen35_{ns.what}_"))
+    Run.flavor = ns.flavor
+    smi = shutil.which("nvidia-smi") and subprocess.run(
+        ["nvidia-smi", "-i", "0", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True).stdout
+    big = bool(smi) and int(smi.split()[0]) > 120_000  # MiB: a 141 GB card
+    if ns.what == "layouts":  # one GPU holds 256 experts' states (69 GB) only on 141 GB cards
+        layouts(work, ns.experts or (256 if big else 128), ns.seq or 4096)
+    elif ns.what == "reshard":
+        reshard(work, ns.experts or 64, ns.seq or 4096)
+    else:
+        longest(work, ns.experts or 16, ns.seq or (2**19 if big else 2**18))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
