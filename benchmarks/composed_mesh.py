@@ -2,8 +2,8 @@
 mesh shapes, and the longest row context parallelism trains (the 4-layer Qwen3.5-35B-A3B-shaped model of
 bench_model.py, full activation checkpointing, debug corpus).
 
-    python benchmarks/composed_mesh.py layouts  [--experts 256] [--seq 4096] [--work DIR]
-    python benchmarks/composed_mesh.py reshard  [--experts 64]  [--seq 4096] [--work DIR]
+    python benchmarks/composed_mesh.py layouts  [--experts 256] [--seq 4096] [--only cp2ep2,...] [--work DIR]
+    python benchmarks/composed_mesh.py reshard  [--experts 16]  [--seq 4096] [--work DIR]
     python benchmarks/composed_mesh.py longest  [--experts 16]  [--seq L]
     (--flavor debugmodel --experts 8 --seq 256: the same runs as a quick check on CPU, 4 gloo processes)
 
@@ -15,11 +15,13 @@ layouts  Every run takes 4 rows of --seq tokens per optimizer step (global batch
            hsdp2x2     4 GPUs, 2 replicas x FSDP over 2
          and two 2-GPU runs with the same per-GPU work as a 4-GPU layout (their global batch is 2, so only their
          tokens/s is compared): cp2ep2 for dp2cp2ep2, fsdp2 for hsdp2x2.
-reshard  A dp2cp2ep2 run saves at step 3 and exports at step 6; its step-3 checkpoint resumes on 2 GPUs (FSDP=2)
-         and on one, each exporting at step 6. Prints the resumed losses against the 4-GPU run's, and the held-out
+reshard  A dp2cp2ep2 run saves at step 3 and exports at step 5; its step-3 checkpoint resumes on 2 GPUs (FSDP=2)
+         and on one, each exporting at step 5 (16 experts by default: every save writes 12 B per parameter, and the
+         1B-parameter embedding and head already make that 14 GB). Prints the resumed losses against the 4-GPU run's, and the held-out
          loss transformers computes from each export.
-longest  CP=2 at --seq and at 2 x --seq (expected not to fit), then CP=4 at 2 x --seq and 4 x --seq: the longest
-         power-of-two row each trains. Default --seq: 512k tokens on 141 GB GPUs, 256k on 80 GB.
+longest  CP=2 at --seq and at 2 x --seq (expected not to fit), then CP=4 at 2 x --seq: CP=4 trains the row that is
+         too long for CP=2. Default --seq: 512k tokens on 141 GB GPUs, 256k on 80 GB. (Peak memory grows linearly
+         with the tokens per GPU, so a CP=4 peak above half the GPU's memory means 4 x --seq cannot fit.)
 
 The 1- and 2-GPU runs of a stage share the node (disjoint GPUs, at the same time); the 4-GPU runs are alone.
 """
@@ -74,6 +76,10 @@ class Run:
     def wait(self) -> int:
         code = self.proc.wait()
         print(f"mesh: {self.name} on GPUs {self.gpus}: exit {code}", flush=True)
+        if code != 0:  # the first error lines of any rank: the cause, which torchrun's summary at the end omits
+            causes = [line for line in (self.folder / "log").read_text().splitlines()
+                      if "Error" in line or "error:" in line or "bench: out of memory" in line]
+            print("\n".join(f"mesh:   {line[:300]}" for line in causes[:6]), flush=True)
         return code
 
     @property
@@ -100,7 +106,7 @@ def largest_gap(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[s] - b[s]) for s in a if s in b)
 
 
-def layouts(work: Path, experts: int, seq: int) -> None:
+def layouts(work: Path, experts: int, seq: int, only: set[str] | None) -> None:
     steps, batch = 10, ("--training.seq_len", str(seq), "--training.global_batch_size", "4")
     one = Run(work, "1gpu", "0", experts, steps, *batch, "--training.local_batch_size", "2")
     accum = Run(work, "1gpu_accum4", "1", experts, steps, *batch, "--training.local_batch_size", "1")
@@ -111,31 +117,34 @@ def layouts(work: Path, experts: int, seq: int) -> None:
                    *flags(dp_shard=2, cp=2, ep=2))
     hsdp = Run(work, "hsdp2x2", "0,1,2,3", experts, steps, *batch, "--training.local_batch_size", "1",
                *flags(dp_shard=2, replicate=2))
-    one.start(), accum.start()
-    stage(fsdp2)
-    stage(cp2ep2)
-    one.wait(), accum.wait()
-    stage(composed)
-    stage(hsdp)
+    runs = [r for r in (one, accum, fsdp2, cp2ep2, composed, hsdp) if only is None or r.name in only]
+    singles = [r.start() for r in runs if r in (one, accum)]  # GPUs 0 and 1, while the pairs use 2 and 3
+    for run in runs:
+        if run not in singles:
+            if run is composed:
+                [r.wait() for r in singles]
+            stage(run)
+    [r.wait() for r in singles if r.proc.returncode is None]
 
-    reference = one.losses()
+    ran = {r.name: r.losses() for r in runs if (r.out / "metrics.jsonl").exists() and r.losses()}
     print(f"mesh: layouts, 4 layers, {experts} experts, 4 rows x {seq} tokens per step, full AC, {steps} steps")
-    print("mesh: step " + " ".join(f"{s:>8}" for s in sorted(reference)))
-    for run in (one, accum, composed, hsdp):
-        got = run.losses()
-        print(f"mesh: {run.name:<12}" + " ".join(f"{got.get(s, float('nan')):8.4f}" for s in sorted(reference)))
-    for run in (accum, composed, hsdp):
-        got = run.losses()
-        print(f"mesh: {run.name} vs 1gpu: step-1 |d| {abs(got[1] - reference[1]):.2e}, largest |d| "
-              f"{largest_gap(got, reference):.2e}")
-    for run in (one, accum, fsdp2, cp2ep2, composed, hsdp):
-        fig = run.figures()
+    print("mesh: step         " + " ".join(f"{s:>8}" for s in range(1, steps + 1)))
+    for name, got in ran.items():
+        if name in ("1gpu", "1gpu_accum4", "dp2cp2ep2", "hsdp2x2"):  # the global-batch-4 runs
+            print(f"mesh: {name:<12}" + " ".join(f"{got.get(s, float('nan')):8.4f}" for s in range(1, steps + 1)))
+    reference = ran.get("1gpu")
+    for name in ("1gpu_accum4", "dp2cp2ep2", "hsdp2x2"):
+        if reference and name in ran:
+            print(f"mesh: {name} vs 1gpu: step-1 |d| {abs(ran[name][1] - reference[1]):.2e}, largest |d| "
+                  f"{largest_gap(ran[name], reference):.2e}")
+    for run in runs:
+        fig = run.figures() if run.name in ran else None
         mfu = "n/a" if not fig or fig["mfu"] is None else f"{fig['mfu']:.1%}"
         print(f"mesh: {run.name:<12} tokens/s per GPU {fig['tokens_per_sec']:>8,.0f}  MFU {mfu}  "
               f"peak {fig['max_memory_gib']:.1f} GiB" if fig else f"mesh: {run.name}: no figures")
     for four, two in ((composed, cp2ep2), (hsdp, fsdp2)):
-        a, b = four.figures(), two.figures()
-        if a and b:
+        if four.name in ran and two.name in ran:
+            a, b = four.figures(), two.figures()
             print(f"mesh: {four.name} / {two.name} tokens/s per GPU: {a['tokens_per_sec'] / b['tokens_per_sec']:.3f}")
 
 
@@ -162,15 +171,16 @@ def held_out_loss(hf_folder: Path, tokens: int) -> float:
 def reshard(work: Path, experts: int, seq: int) -> None:
     ckpt = ("--training.seq_len", str(seq), "--training.global_batch_size", "2", "--checkpoint.enable", "true",
             "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0", "--checkpoint.export_hf_at_end", "true")
-    saved = Run(work, "saved_dp2cp2ep2", "0,1,2,3", experts, 6, *ckpt, "--training.local_batch_size", "1",
+    steps, after = 5, (4, 5)
+    saved = Run(work, "saved_dp2cp2ep2", "0,1,2,3", experts, steps, *ckpt, "--training.local_batch_size", "1",
                 *flags(dp_shard=2, cp=2, ep=2))
     stage(saved)
     resumed = []
     for name, gpus, local in (("resumed_fsdp2", "0,1", "1"), ("resumed_1gpu", "2", "2")):
-        run = Run(work, name, gpus, experts, 6, *ckpt, "--training.local_batch_size", local)
+        run = Run(work, name, gpus, experts, steps, *ckpt, "--training.local_batch_size", local)
         # The 4-GPU run's folder up to step 3: checkpoint shards as hard links (read only; no copy of GBs), the
         # small files (metrics.jsonl, config) as copies, which the resumed run rewrites.
-        shutil.copytree(saved.out, run.out, ignore=shutil.ignore_patterns("step-6", "hf"),
+        shutil.copytree(saved.out, run.out, ignore=shutil.ignore_patterns(f"step-{steps}", "hf"),
                         copy_function=lambda a, b: os.link(a, b) if os.path.getsize(a) > 2**20 else shutil.copy2(a, b))
         resumed.append(run)
     stage(*resumed)
@@ -181,9 +191,9 @@ def reshard(work: Path, experts: int, seq: int) -> None:
         got = run.losses()
         note = next((line.strip() for line in text.splitlines() if "resumed by" in line), "NO RESHARD LINE")
         print(f"mesh: {run.name}: {note[-150:]}")
-        print(f"mesh: {run.name} steps 4-6 " + " ".join(f"{got.get(s, float('nan')):.4f}" for s in (4, 5, 6))
-              + "  vs 4 GPUs " + " ".join(f"{want[s]:.4f}" for s in (4, 5, 6))
-              + f"  largest |d| {max(abs(got[s] - want[s]) for s in (4, 5, 6)):.2e}")
+        print(f"mesh: {run.name} steps {after} " + " ".join(f"{got.get(s, float('nan')):.4f}" for s in after)
+              + "  vs 4 GPUs " + " ".join(f"{want[s]:.4f}" for s in after)
+              + f"  largest |d| {max(abs(got.get(s, float('nan')) - want[s]) for s in after):.2e}")
     for run in (saved, *resumed):
         hf = run.out / "hf"
         size = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / 2**30
@@ -198,15 +208,13 @@ def longest(work: Path, experts: int, seq: int) -> None:
     print(f"mesh: longest row, 4 layers, {experts} experts, full AC, 1 row per step")
     runs = [cp_run(2, seq, "0,1"), cp_run(2, 2 * seq, "2,3")]
     codes = stage(*runs)
-    runs2 = [cp_run(4, 2 * seq, "0,1,2,3")]
-    codes += stage(*runs2)
-    if codes[-1] == 0:
-        runs2.append(cp_run(4, 4 * seq, "0,1,2,3"))
-        codes += stage(runs2[-1])
-    for run, code in zip(runs + runs2, codes):
+    runs.append(cp_run(4, 2 * seq, "0,1,2,3"))
+    codes += stage(runs[-1])
+    for run, code in zip(runs, codes):
         fig = run.figures() if code == 0 else None
         print(f"mesh: {run.name:<10} " + (f"trains: tokens/s per GPU {fig['tokens_per_sec']:,.0f}, peak "
-                                         f"{fig['max_memory_gib']:.1f} GiB" if fig else f"does not fit (exit {code})"))
+                                         f"{fig['max_memory_gib']:.1f} GiB" if fig else
+                                         "out of memory" if code == 3 else f"FAILED (exit {code}, cause above)"))
 
 
 def main() -> int:
@@ -217,6 +225,7 @@ def main() -> int:
                         help="tokens per row (layouts, reshard: 4096); longest: CP=2's row (default by GPU memory)")
     parser.add_argument("--flavor", default="35B-A3B", help="layer shapes (debugmodel: a quick check on CPU)")
     parser.add_argument("--work", default=None)
+    parser.add_argument("--only", default=None, help="layouts: a comma-separated subset of the runs, e.g. cp2ep2,dp2cp2ep2")
     ns = parser.parse_args()
     work = Path(ns.work or tempfile.mkdtemp(prefix=f"qwen35_{ns.what}_"))
     Run.flavor = ns.flavor
@@ -225,9 +234,10 @@ def main() -> int:
         capture_output=True, text=True).stdout
     big = bool(smi) and int(smi.split()[0]) > 120_000  # MiB: a 141 GB card
     if ns.what == "layouts":  # one GPU holds 256 experts' states (69 GB) only on 141 GB cards
-        layouts(work, ns.experts or (256 if big else 128), ns.seq or 4096)
+        layouts(work, ns.experts or (256 if big else 128), ns.seq or 4096,
+                set(ns.only.split(",")) if ns.only else None)
     elif ns.what == "reshard":
-        reshard(work, ns.experts or 64, ns.seq or 4096)
+        reshard(work, ns.experts or 16, ns.seq or 4096)
     else:
         longest(work, ns.experts or 16, ns.seq or (2**19 if big else 2**18))
     return 0

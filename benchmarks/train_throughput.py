@@ -50,9 +50,13 @@ def main_bench() -> int:
             "--checkpoint.export_hf_at_end", "false", *ns.overrides]
     try:
         code = main(argv)
-    except torch.OutOfMemoryError:
-        # Exit at once: torchrun then stops the other ranks, which would otherwise wait in a collective.
-        print(f"bench: out of memory (rank {rank}) overrides={' '.join(ns.overrides)}", flush=True)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        # Out of memory also reaches us as a RuntimeError (NCCL's or a kernel launch's buffers): any text that
+        # says so counts. Exit at once: torchrun then stops the other ranks, which would otherwise wait in a
+        # collective.
+        if not isinstance(err, torch.OutOfMemoryError) and "out of memory" not in str(err).lower():
+            raise
+        print(f"bench: out of memory (rank {rank}) overrides={' '.join(ns.overrides)}: {str(err)[:200]}", flush=True)
         os._exit(3)
     if rank != 0:
         return code

@@ -5,7 +5,7 @@ chunks r and 2*cp-1-r, so every rank gets an equal share of causal attention wor
 The trainer shards input_ids, labels and position_ids this way (`shard_zigzag`); the model all-gathers the
 (integer) position ids once per forward to know the whole rows' documents (`CPContext.layout`).
 
-Exchanges, differentiable (torch's functional collectives, so backward runs the mirror collective):
+Exchanges, differentiable (parallel/collectives.py, so backward runs the mirror collective):
   gather_sequence   local zigzag tokens -> the whole rows in natural order       (all-gather; backward: reduce-scatter)
   scatter_sequence  whole rows of partial sums -> this rank's tokens, summed     (reduce-scatter; backward: all-gather)
 Gated DeltaNet runs head-parallel between the two (each rank: whole rows, 1/cp of the heads); attention gathers
@@ -18,12 +18,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-# Renamed in torch 2.13 (the old names warn there); torch 2.11 has only the old ones. Same signatures.
-_all_gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
-_reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd", funcol.reduce_scatter_tensor_autograd)
+from .collectives import all_gather, reduce_scatter_sum
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -63,16 +60,15 @@ class CPContext:
 
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """(..., S/cp, ...) local zigzag tokens -> (..., S, ...) whole rows in natural order."""
-        x = x.movedim(dim, 0).contiguous()
-        gathered = _all_gather(x, 0, self.group)  # rank 0's tokens, rank 1's, ...
+        gathered = all_gather(x.movedim(dim, 0), self.group)  # rank 0's tokens, rank 1's, ...
         order = _natural_order(gathered.shape[0], self.size, gathered.device)
         return gathered.index_select(0, order).movedim(0, dim)
 
     def scatter_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """(..., S, ...) partial sums in natural order -> this rank's zigzag tokens of their sum over the group."""
         x = x.movedim(dim, 0)
-        by_rank = x.index_select(0, _rank_order(x.shape[0], self.size, x.device)).contiguous()
-        return _reduce_scatter(by_rank, "sum", 0, self.group).movedim(0, dim)
+        by_rank = x.index_select(0, _rank_order(x.shape[0], self.size, x.device))
+        return reduce_scatter_sum(by_rank, self.group).movedim(0, dim)
 
     def gather_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """(B, S/cp) local position ids -> (B, S) of the whole rows (integers: no gradient)."""

@@ -11,7 +11,7 @@ and back with two all-to-alls.
 3. an all-to-all of the tokens, which arrive grouped by source rank, then by local expert; a permutation
    groups them by local expert for the grouped GEMM; the local experts run; the inverse permutation and the
    mirror all-to-all bring each token's output back to the rank and place it came from.
-The all-to-alls are torch's functional collectives with autograd (backward: the mirror all-to-all), so
+The token all-to-alls are differentiable (parallel/collectives.py; backward: the mirror all-to-all), so
 gradients reach the router, the tokens and the local experts' weights (from every rank's tokens).
 
 `ExpertParallel` is what the parallelize function attaches to each SparseMoE (`_ep`); the experts' weights are
@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from models.qwen35_moe.moe import RoutedExperts
+
+from .collectives import all_to_all
 
 
 def local_expert_order(received_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -55,12 +57,12 @@ def exchange(x: torch.Tensor, counts: torch.Tensor, local_experts: Callable[[tor
     received = funcol.all_to_all_single(counts.contiguous(), None, None, group).view(ep, local)
     sizes = torch.stack((counts.view(ep, local).sum(1), received.sum(1))).tolist()  # the one host sync
     send, recv = sizes
-    tokens = funcol.all_to_all_single_autograd(x.contiguous(), recv, send, group)
+    tokens = all_to_all(x, recv, send, group)
     order = local_expert_order(received, sum(recv))
     out = local_experts(tokens.index_select(0, order), received.sum(0))
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    return funcol.all_to_all_single_autograd(out.index_select(0, back).contiguous(), send, recv, group)
+    return all_to_all(out.index_select(0, back), send, recv, group)
 
 
 class ExpertParallel:
