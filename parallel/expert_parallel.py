@@ -2,12 +2,13 @@
 r * E/ep ... (r + 1) * E/ep - 1) and every rank routes its own tokens; the tokens travel to their experts' ranks
 and back with two all-to-alls.
 
-    routed = exchange(x_sorted, counts, local_experts)   # x_sorted (M, D) sorted by global expert, counts (E,)
+    routed = ExpertParallel(ep_mesh).exchange(x_sorted, counts, local_experts)
+    # x_sorted (M, D) sorted by global expert, counts (E,): one ExpertParallel per MoE layer
 
 1. an all-to-all of the per-expert token counts (E integers per rank), so each rank learns how many tokens
    every rank sends to each of its local experts;
 2. one device-to-host copy of the split sizes (the all-to-all of the tokens needs them on the host): the only
-   host sync;
+   host sync, which an activation-checkpointing recompute of the layer skips (it reuses the forward's);
 3. an all-to-all of the tokens, which arrive grouped by source rank, then by local expert; a permutation
    groups them by local expert for the grouped GEMM; the local experts run; the inverse permutation and the
    mirror all-to-all bring each token's output back to the rank and place it came from.
@@ -47,16 +48,25 @@ def local_expert_order(received_counts: torch.Tensor, total: int) -> torch.Tenso
     return offsets + torch.arange(total, device=received_counts.device)
 
 
-def exchange(x: torch.Tensor, counts: torch.Tensor, local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-             group: dist.ProcessGroup) -> torch.Tensor:
-    """x (M, D) this rank's token copies sorted by global expert id, counts (E,) per global expert -> (M, D) the
-    experts' outputs for them, in x's order. `local_experts(tokens, local_counts)` runs this rank's experts on
-    tokens sorted by local expert."""
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """counts (E,) this rank's tokens per global expert -> (ep, E_local) the tokens each rank sends to each of
+    this rank's experts (an all-to-all of the counts)."""
     ep = dist.get_world_size(group)
-    local = counts.numel() // ep
-    received = funcol.all_to_all_single(counts.contiguous(), None, None, group).view(ep, local)
-    sizes = torch.stack((counts.view(ep, local).sum(1), received.sum(1))).tolist()  # the one host sync
-    send, recv = sizes
+    return funcol.all_to_all_single(counts.contiguous(), None, None, group).view(ep, counts.numel() // ep)
+
+
+def split_sizes(counts: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The token all-to-alls' sizes on the host, rows sent to and received from each rank: the one host sync."""
+    ep, local = received.shape
+    send, recv = torch.stack((counts.view(ep, local).sum(1), received.sum(1))).tolist()
+    return send, recv
+
+
+def exchange(x: torch.Tensor, received: torch.Tensor, send: list[int], recv: list[int],
+             local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             group: dist.ProcessGroup) -> torch.Tensor:
+    """x (M, D) this rank's token copies sorted by global expert id -> (M, D) the experts' outputs for them, in
+    x's order. `local_experts(tokens, local_counts)` runs this rank's experts on tokens sorted by local expert."""
     tokens = all_to_all(x, recv, send, group)
     order = local_expert_order(received, sum(recv))
     out = local_experts(tokens.index_select(0, order), received.sum(0))
@@ -66,15 +76,33 @@ def exchange(x: torch.Tensor, counts: torch.Tensor, local_experts: Callable[[tor
 
 
 class ExpertParallel:
-    """The EP group's exchange, as a MoE layer calls it: `exchange(x_sorted, counts, local_experts)`."""
+    """One MoE layer's exchange over the EP group, as the layer calls it: `exchange(x_sorted, counts,
+    local_experts)`.
+
+    Under activation checkpointing the layer's forward runs again inside the backward on the same inputs, so
+    with the same routing: that recompute reuses the forward's host split sizes instead of syncing with the host
+    again (full AC would double the syncs). It still exchanges the counts (selective AC replays its saved
+    collectives in order) and checks on the device, without a sync, that they are the forward's: a routing that
+    changed would otherwise move tokens by stale sizes."""
 
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
         self.group = mesh.get_group()
+        self._forward = None  # (received, send, recv) of the last forward outside a backward pass
 
     def exchange(self, x: torch.Tensor, counts: torch.Tensor,
                  local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return exchange(x, counts, local_experts, self.group)
+        received = exchange_counts(counts, self.group)
+        if torch._C._current_graph_task_id() != -1 and self._forward is not None:  # recomputing, in backward
+            forward_received, send, recv = self._forward
+        else:
+            send, recv = split_sizes(counts, received)
+            self._forward = (received, send, recv)
+            forward_received = received
+        # Checked in the forward too (trivially): selective AC wants the recompute to run the forward's ops.
+        torch._assert_async((received == forward_received).all(),
+                            "expert parallelism: the recomputed routing differs from the forward's")
+        return exchange(x, received, send, recv, local_experts, self.group)
 
 
 def scale_expert_gradients(model: nn.Module, ep: int) -> None:

@@ -36,12 +36,12 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split every MoE layer's routed experts over the EP mesh and route its tokens through the exchange."""
-    context = ExpertParallel(ep_mesh)
+    """Split every MoE layer's routed experts over the EP mesh and route its tokens through the exchange (one
+    per layer: it keeps the layer's split sizes for the activation-checkpointing recompute)."""
     for module in model.modules():
         if isinstance(module, SparseMoE):
             shard_experts(module.experts, ep_mesh)
-            module._ep = context
+            module._ep = ExpertParallel(ep_mesh)
 
 
 def _saved_ops() -> set:

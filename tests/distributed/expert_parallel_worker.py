@@ -5,10 +5,11 @@ tokens, in float64. Raises (non-zero exit) on any difference beyond float64 summ
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeArgs
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
-from parallel.expert_parallel import exchange
+from parallel.expert_parallel import ExpertParallel
 
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
                      shared_expert_intermediate_size=8)
@@ -20,6 +21,7 @@ class ExpertParallelExperts(nn.Module):
 
     def __init__(self, full: RoutedExperts, rank: int, ep: int):
         super().__init__()
+        self.ep = ExpertParallel(init_device_mesh("cpu", (ep,)))
         local = full.num_experts // ep
         self.local = RoutedExperts(local, ARGS.hidden_size, ARGS.moe_intermediate_size)
         with torch.no_grad():
@@ -27,7 +29,7 @@ class ExpertParallelExperts(nn.Module):
             self.local.down_proj.copy_(full.down_proj[rank * local:(rank + 1) * local])
 
     def forward(self, x, counts):
-        return exchange(x, counts, self.local, dist.group.WORLD)
+        return self.ep.exchange(x, counts, self.local)
 
 
 def tokens(rank: int) -> torch.Tensor:

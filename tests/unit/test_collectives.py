@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import parallel.collectives as collectives
 from parallel.context_parallel import CPContext
-from parallel.expert_parallel import exchange
+from parallel.expert_parallel import ExpertParallel
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_context_parallel_exchanges_hand_contiguous_gradients_to_the_collectives
 def test_expert_exchange_hands_contiguous_gradients_to_the_collectives(one_rank_group, seen):
     x = torch.randn(6, 4, requires_grad=True)
     counts = torch.tensor([2, 0, 4])
-    out = exchange(x, counts, lambda tokens, local_counts: tokens * 2, one_rank_group.get_group())
+    out = ExpertParallel(one_rank_group).exchange(x, counts, lambda tokens, local_counts: tokens * 2)
     out.t().sum(0).sum().backward()  # a transposed consumer: its gradient is strided
     assert len(seen) == 2 and all(contiguous for _, contiguous in seen), seen
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
