@@ -5,19 +5,11 @@ hence this test inspects the gradients themselves rather than waiting for the cr
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import parallel.collectives as collectives
 from parallel.context_parallel import CPContext
 from parallel.expert_parallel import ExpertParallel
 
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -37,8 +29,8 @@ def seen(monkeypatch):
     return record
 
 
-def test_context_parallel_exchanges_hand_contiguous_gradients_to_the_collectives(one_rank_group, seen):
-    cp = CPContext(one_rank_group)
+def test_context_parallel_exchanges_hand_contiguous_gradients_to_the_collectives(one_rank_mesh, seen):
+    cp = CPContext(one_rank_mesh)
     x = torch.randn(2, 8, 4, requires_grad=True)  # (B=2, S, D): movedim(1, 0) of it is strided
     rows = cp.gather_sequence(x)
     out = cp.scatter_sequence(rows * torch.arange(1.0, 5.0))
@@ -47,10 +39,10 @@ def test_context_parallel_exchanges_hand_contiguous_gradients_to_the_collectives
     torch.testing.assert_close(out, x * torch.arange(1.0, 5.0))  # one rank: gather, then scatter = identity
 
 
-def test_expert_exchange_hands_contiguous_gradients_to_the_collectives(one_rank_group, seen):
+def test_expert_exchange_hands_contiguous_gradients_to_the_collectives(one_rank_mesh, seen):
     x = torch.randn(6, 4, requires_grad=True)
     counts = torch.tensor([2, 0, 4])
-    out = ExpertParallel(one_rank_group).exchange(x, counts, lambda tokens, local_counts: tokens * 2)
+    out = ExpertParallel(one_rank_mesh).exchange(x, counts, lambda tokens, local_counts: tokens * 2)
     out.t().sum(0).sum().backward()  # a transposed consumer: its gradient is strided
     assert len(seen) == 2 and all(contiguous for _, contiguous in seen), seen
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))

@@ -7,8 +7,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import parallel.expert_parallel as expert_parallel
@@ -20,12 +18,6 @@ from parallel.parallelize import _saved_ops, _selective_policy
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
                      shared_expert_intermediate_size=8)
 
-
-@pytest.fixture
-def one_rank_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 @pytest.fixture
