@@ -201,9 +201,14 @@ def reshard(work: Path, experts: int, seq: int) -> None:
 
 
 def longest(work: Path, experts: int, seq: int) -> None:
+    # The debug corpus holds ~972k tokens, fewer than one 1M-token row: repeat it enough for a 2 x seq row.
+    corpus = (REPO / "data" / "debug_corpus" / "train.jsonl").read_text()
+    repeated = work / "corpus.jsonl"
+    repeated.write_text(corpus * (2 * seq // 900_000 + 1))
+
     def cp_run(cp: int, length: int, gpus: str) -> Run:
         return Run(work, f"cp{cp}_{length // 1024}k", gpus, experts, 3, "--training.seq_len", str(length),
-                   "--training.local_batch_size", "1", *flags(cp=cp))
+                   "--training.local_batch_size", "1", "--training.dataset_path", str(repeated), *flags(cp=cp))
 
     print(f"mesh: longest row, 4 layers, {experts} experts, full AC, 1 row per step")
     runs = [cp_run(2, seq, "0,1"), cp_run(2, 2 * seq, "2,3")]
@@ -228,6 +233,7 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="layouts: a comma-separated subset of the runs, e.g. cp2ep2,dp2cp2ep2")
     ns = parser.parse_args()
     work = Path(ns.work or tempfile.mkdtemp(prefix=f"qwen35_{ns.what}_"))
+    work.mkdir(parents=True, exist_ok=True)
     Run.flavor = ns.flavor
     smi = shutil.which("nvidia-smi") and subprocess.run(
         ["nvidia-smi", "-i", "0", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],

@@ -58,11 +58,11 @@ def main_bench() -> int:
             raise
         print(f"bench: out of memory (rank {rank}) overrides={' '.join(ns.overrides)}: {str(err)[:200]}", flush=True)
         os._exit(3)
-    if rank != 0:
+    if rank != 0 or code != 0:
         return code
     figures = run_figures(work / "out" / "metrics.jsonl", ns.warmup)
-    if code != 0 or figures is None:
-        return code or 1
+    if figures is None:
+        return 1
     tps, mfu = figures["tokens_per_sec"], figures["mfu"]
     print(f"bench: layers={ns.layers} experts={ns.experts} overrides={' '.join(ns.overrides)}")
     print(f"bench: median tokens/s per device {tps:,.0f}  MFU {'n/a' if mfu is None else f'{mfu:.1%}'}")

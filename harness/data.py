@@ -104,6 +104,10 @@ def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
+
+class DataError(ValueError):
+    """The dataset cannot feed the run as configured (e.g. fewer tokens than one row): bad input, exit 2."""
+
 def _check_shape_args(seq_len: int, batch_size: int, dp_rank: int, dp_world_size: int) -> None:
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
@@ -121,7 +125,7 @@ class TokenCacheLoader:
         self.dp_rank, self.dp_world_size, self.infinite = dp_rank, dp_world_size, infinite
         self.num_rows = max(len(cache.tokens) - 1, 0) // seq_len  # row k needs tokens up to k*L + L
         if self.num_rows == 0:
-            raise ValueError(f"dataset cache {cache.folder} holds {len(cache.tokens)} tokens, too few for one row "
+            raise DataError(f"dataset cache {cache.folder} holds {len(cache.tokens)} tokens, too few for one row "
                              f"of seq_len {seq_len} (needs {seq_len + 1}); use more data or a shorter seq_len")
         self.next_row = 0  # global rows consumed by all DP ranks together: the whole resumable state
         self._epoch_logged = 0

@@ -42,12 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     from models.qwen35_moe.gated_delta_rule import FlaKernelsUnavailableError
 
     from .checkpoint import CheckpointError
+    from .data import DataError
     from .preemption import TERMINATED, TrainingStopped
     from .trainer import Trainer, TrainingDivergedError  # heavy imports only once the config is valid
 
     try:
         trainer = Trainer(cfg)
-    except (FlaKernelsUnavailableError, CheckpointError) as err:  # the machine or the dump folder: say what
+    except (FlaKernelsUnavailableError, CheckpointError, DataError) as err:  # the machine, dump folder or data
         return _fail(BAD_INPUT, err)
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, "interrupted while starting; nothing saved")

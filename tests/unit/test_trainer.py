@@ -41,6 +41,14 @@ def test_smoke_run_loss_falls_and_metrics_have_the_keys(tmp_path, capsys):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "tb").glob("*/*"))
 
 
+def test_a_row_longer_than_the_dataset_is_one_error_line_and_exit_2(tmp_path, capsys):
+    # The debug corpus holds ~972k tokens: a 1M-token row cannot be cut from it (seen as a bare traceback on GPU).
+    assert _run(tmp_path, "--training.seq_len", str(2**20), "--training.local_batch_size", "1") == 2
+    err = capsys.readouterr().err
+    assert "error: dataset cache" in err and "too few for one row of seq_len 1048576" in err
+    assert "Traceback" not in err
+
+
 @pytest.fixture
 def restore_determinism():
     yield
