@@ -104,9 +104,9 @@ def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-
 class DataError(ValueError):
     """The dataset cannot feed the run as configured (e.g. fewer tokens than one row): bad input, exit 2."""
+
 
 def _check_shape_args(seq_len: int, batch_size: int, dp_rank: int, dp_world_size: int) -> None:
     if seq_len < 1 or batch_size < 1:
