@@ -57,7 +57,8 @@ EP_LAYOUTS = {  # unbalanced routing (SKEWED): under EP=4, rank 0's two experts 
     "ep2_fsdp2": (4, [EP, "2"]),  # the experts' weights FSDP-sharded over the 2 ranks EP leaves
     "ep2_hsdp2": (4, [EP, "2", "--parallelism.data_parallel_replicate_degree", "2"]),
     "ep2_cp2": (4, [EP, "2", "--parallelism.context_parallel_degree", "2"]),  # the EP group is the CP group
-    # the recompute runs the exchange again (full) or reuses its saved all-to-all outputs (selective)
+    # the recompute reuses the forward's split sizes; it runs the token all-to-alls again (full) or replays
+    # their saved outputs (selective)
     "ep2_full_ac": (2, [EP, "2", "--activation_checkpoint.mode", "full"]),
     "ep2_selective_ac": (2, [EP, "2", "--activation_checkpoint.mode", "selective"]),
 }
