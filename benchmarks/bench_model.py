@@ -38,6 +38,12 @@ def trainer_argv(hf_config: Path, dump_folder: Path, steps: int) -> list[str]:
     ]
 
 
+def step_losses(metrics: Path) -> dict[int, float]:
+    """{step: training loss} of a run's metrics.jsonl (validation records carry val_loss instead)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
 def run_figures(metrics: Path, warmup: int) -> dict | None:
     """Medians over a run's steps after `warmup` (metrics.jsonl): tokens/s per device and MFU (None on CPU), and
     the peak memory and last loss of the run; None if no step was timed."""

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_model import bench_args, trainer_argv  # noqa: E402
+from bench_model import bench_args, step_losses, trainer_argv  # noqa: E402
 
 STEPS, INTERVAL, KILL_AFTER = 10, 3, 5
 
@@ -53,11 +53,6 @@ def log_text(work: Path, name: str) -> str:
 
 def stalls(text: str) -> list[float]:
     return [float(s) for s in re.findall(r"training held up ([0-9.]+) s", text)]
-
-
-def losses(dump: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def main() -> int:
@@ -94,7 +89,7 @@ def main() -> int:
     resumed_at = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", resumed_text)
     export = re.search(r"exported Hugging Face checkpoint to \S+ in ([0-9.]+) s", resumed_text)
 
-    reference, after = losses(work / "sync"), losses(work / "killed")
+    reference, after = step_losses(work / "sync" / "metrics.jsonl"), step_losses(work / "killed" / "metrics.jsonl")
     diffs = {s: abs(after[s] - reference[s]) for s in reference if s in after}
     hf = work / "killed" / "hf"
     hf_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))

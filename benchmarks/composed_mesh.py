@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_model import run_figures  # noqa: E402
+from bench_model import run_figures, step_losses  # noqa: E402
 
 THROUGHPUT = REPO / "benchmarks" / "train_throughput.py"
 FULL_AC = ("--activation_checkpoint.mode", "full")
@@ -60,11 +60,12 @@ class Run:
     def __init__(self, work: Path, name: str, gpus: str, experts: int, steps: int, *overrides: str):
         self.name, self.folder, self.gpus = name, work / name, gpus
         self.folder.mkdir(parents=True, exist_ok=True)
-        ngpu = len(gpus.split(","))
-        port = 29500 + int(gpus.split(",")[0]) + 10 * ngpu
-        self.argv = ["torchrun", "--nproc-per-node", str(ngpu), "--master-port", str(port), str(THROUGHPUT),
+        self.ngpu = len(gpus.split(","))
+        self.warmup = min(3, steps - 2)  # steps left out of the figures
+        port = 29500 + int(gpus.split(",")[0]) + 10 * self.ngpu
+        self.argv = ["torchrun", "--nproc-per-node", str(self.ngpu), "--master-port", str(port), str(THROUGHPUT),
                      "--flavor", self.flavor, "--layers", "4", "--experts", str(experts), "--steps", str(steps),
-                     "--warmup", str(min(3, steps - 2)), "--work", str(self.folder), "--", *FULL_AC, *overrides]
+                     "--warmup", str(self.warmup), "--work", str(self.folder), "--", *FULL_AC, *overrides]
         self.proc = None
 
     def start(self) -> "Run":
@@ -87,12 +88,13 @@ class Run:
         return self.folder / "out"
 
     def losses(self) -> dict[int, float]:
-        rows = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in rows if "loss" in r and "tokens_per_sec" in r}
+        """{step: loss}; empty if the run logged no step."""
+        path = self.out / "metrics.jsonl"
+        return step_losses(path) if path.exists() else {}
 
     def figures(self) -> dict | None:
         path = self.out / "metrics.jsonl"
-        return run_figures(path, min(3, len(self.losses()) - 2)) if path.exists() else None
+        return run_figures(path, self.warmup) if path.exists() else None
 
 
 def stage(*runs: Run) -> list[int]:
@@ -118,15 +120,15 @@ def layouts(work: Path, experts: int, seq: int, only: set[str] | None) -> None:
     hsdp = Run(work, "hsdp2x2", "0,1,2,3", experts, steps, *batch, "--training.local_batch_size", "1",
                *flags(dp_shard=2, replicate=2))
     runs = [r for r in (one, accum, fsdp2, cp2ep2, composed, hsdp) if only is None or r.name in only]
-    singles = [r.start() for r in runs if r in (one, accum)]  # GPUs 0 and 1, while the pairs use 2 and 3
-    for run in runs:
-        if run not in singles:
-            if run is composed:
-                [r.wait() for r in singles]
-            stage(run)
-    [r.wait() for r in singles if r.proc.returncode is None]
+    singles = [r.start() for r in runs if r.ngpu == 1]  # on GPUs 0 and 1, while the pairs run on 2 and 3
+    for run in (r for r in runs if r.ngpu == 2):
+        stage(run)
+    for run in singles:
+        run.wait()
+    for run in (r for r in runs if r.ngpu == 4):  # the whole node, alone
+        stage(run)
 
-    ran = {r.name: r.losses() for r in runs if (r.out / "metrics.jsonl").exists() and r.losses()}
+    ran = {r.name: got for r in runs if (got := r.losses())}
     print(f"mesh: layouts, 4 layers, {experts} experts, 4 rows x {seq} tokens per step, full AC, {steps} steps")
     print("mesh: step         " + " ".join(f"{s:>8}" for s in range(1, steps + 1)))
     for name, got in ran.items():

@@ -93,12 +93,10 @@ class ExpertParallel:
     def exchange(self, x: torch.Tensor, counts: torch.Tensor,
                  local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         received = exchange_counts(counts, self.group)
-        if torch._C._current_graph_task_id() != -1 and self._forward is not None:  # recomputing, in backward
-            forward_received, send, recv = self._forward
-        else:
-            send, recv = split_sizes(counts, received)
-            self._forward = (received, send, recv)
-            forward_received = received
+        recomputing = torch._C._current_graph_task_id() != -1 and self._forward is not None  # inside a backward
+        if not recomputing:
+            self._forward = (received, *split_sizes(counts, received))
+        forward_received, send, recv = self._forward
         # Checked in the forward too (trivially): selective AC wants the recompute to run the forward's ops.
         torch._assert_async((received == forward_received).all(),
                             "expert parallelism: the recomputed routing differs from the forward's")
