@@ -89,6 +89,12 @@ MEASURED = [
     (8, 32, Setup(gpus=1, local_batch=2), 35.2),
     (8, 32, Setup(gpus=1, local_batch=2, ac="none"), 49.1),
     (8, 32, Setup(gpus=2, local_batch=2, ac="none"), 37.6),
+    # 4 x H200 (benchmarks/composed_mesh.py), not used in the fit
+    (4, 256, Setup(gpus=1, local_batch=2), 76.5),
+    (4, 256, Setup(gpus=2, cp=2, ep=2, local_batch=2), 37.4),
+    (4, 256, Setup(gpus=4, cp=2, ep=2, local_batch=2), 21.1),
+    (4, 256, Setup(gpus=4, replicate=2), 39.3),
+    (4, 16, Setup(gpus=2, cp=2, seq=524288), 106.4),
 ]
 
 RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
