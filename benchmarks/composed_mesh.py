@@ -84,6 +84,11 @@ class Run:
         return code
 
     @property
+    def out_of_memory(self) -> bool:
+        """Whether a rank ran out of memory (torchrun's own exit code is 1 whatever the ranks' were)."""
+        return "bench: out of memory" in (self.folder / "log").read_text()
+
+    @property
     def out(self) -> Path:
         return self.folder / "out"
 
@@ -221,7 +226,7 @@ def longest(work: Path, experts: int, seq: int) -> None:
         fig = run.figures() if code == 0 else None
         print(f"mesh: {run.name:<10} " + (f"trains: tokens/s per GPU {fig['tokens_per_sec']:,.0f}, peak "
                                          f"{fig['max_memory_gib']:.1f} GiB" if fig else
-                                         "out of memory" if code == 3 else f"FAILED (exit {code}, cause above)"))
+                                         "out of memory" if run.out_of_memory else f"FAILED (exit {code}, cause above)"))
 
 
 def main() -> int:
