@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from models.qwen35_moe.moe import RoutedExperts
+from models.qwen35_moe.moe import RoutedExperts, gather_rows, inverse_permutation
 
 from .collectives import all_to_all
 
@@ -69,10 +69,9 @@ def exchange(x: torch.Tensor, received: torch.Tensor, send: list[int], recv: lis
     x's order. `local_experts(tokens, local_counts)` runs this rank's experts on tokens sorted by local expert."""
     tokens = all_to_all(x, recv, send, group)
     order = local_expert_order(received, sum(recv))
-    out = local_experts(tokens.index_select(0, order), received.sum(0))
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    return all_to_all(out.index_select(0, back), send, recv, group)
+    back = inverse_permutation(order)
+    out = local_experts(gather_rows(tokens, order, back), received.sum(0))
+    return all_to_all(gather_rows(out, back, order), send, recv, group)
 
 
 class ExpertParallel:

@@ -26,7 +26,7 @@ class FeedForward(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """Softmax over all experts in fp32, top-k, renormalised to sum to one."""
+    """Softmax over all experts in fp32 (at least), top-k, renormalised to sum to one."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int):
         super().__init__()
@@ -35,10 +35,41 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, D) -> probs (N, E) fp32, top-k weights (N, k) fp32, top-k expert ids (N, k)."""
-        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        logits = F.linear(x, self.weight)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # float64 stays
         weights, ids = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, ids
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, inverse, group):
+        ctx.save_for_backward(inverse)
+        ctx.group = group
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        if ctx.group > 1:
+            grad = grad.view(-1, ctx.group, grad.shape[-1]).sum(1)
+        return grad, None, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """x[index] for 2-D x whose backward is a gather too, not index_select's scatter-add (bf16 atomics on CUDA:
+    slow, rounded at every add, in no fixed order).
+
+    index[i] = perm[i] // group for a permutation perm of range(len(x) * group) whose inverse is `inverse`: every
+    row of x is taken `group` times (group 1: index is a permutation). The gradient of row n is then the sum of
+    the output gradient's rows inverse[n * group : (n + 1) * group], one reduction with one rounding."""
+    return _GatherRows.apply(x, index, inverse, group)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
 @dataclass
@@ -131,18 +162,21 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, D)
         probs, weights, ids = self.gate(x)
 
-        # Sort the N * k (token, expert) assignments by expert so each expert sees a contiguous block.
+        # Sort the N * k (token, slot) assignments by expert so each expert sees a contiguous block; `slot_at`
+        # is where each assignment landed.
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
-        token_of = order // self.top_k
+        slot_at = inverse_permutation(order)
+        x_sorted = gather_rows(x, order // self.top_k, slot_at, self.top_k)  # (N * k, D)
         # Tokens per expert; not torch.bincount, whose output size depends on the data (a host sync on a GPU).
         counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         if self._ep is None:
-            routed = self.experts(x[token_of], counts)  # (N * k, D)
+            routed = self.experts(x_sorted, counts)
         else:
-            routed = self._ep.exchange(x[token_of], counts, self.experts)
-        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, routed)
+            routed = self._ep.exchange(x_sorted, counts, self.experts)
+        # Back to (token, slot) order, then each token's k outputs weighted and summed in one reduction.
+        per_slot = gather_rows(routed, slot_at, order).view(*weights.shape, -1)  # (N, k, D)
+        out = (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1)
 
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (out + shared).reshape(shape), counts.detach().float(), probs.sum(dim=0)
