@@ -95,6 +95,9 @@ MEASURED = [
     (4, 256, Setup(gpus=4, cp=2, ep=2, local_batch=2), 21.1),
     (4, 256, Setup(gpus=4, replicate=2), 39.3),
     (4, 16, Setup(gpus=2, cp=2, seq=524288), 106.4),
+    (4, 256, Setup(gpus=4), 24.7),
+    (4, 256, Setup(gpus=4, ep=4), 21.1),
+    (4, 16, Setup(gpus=4, cp=4, seq=1048576), 104.6),
 ]
 
 RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
