@@ -118,6 +118,9 @@ class Parallelism:
     data_parallel_shard_degree: int = -1  # FSDP shards; -1 = the rest of the world
     context_parallel_degree: int = 1  # ranks that split every row (zigzag); divides the GDN heads and seq_len / 2
     expert_parallel_degree: int = 1  # splits the experts; divides dp_shard * cp, a multiple of cp, divides the experts
+    # "never": each block keeps its gathered (bf16) weights from forward to backward: no second all-gather and
+    # cast per step, for the memory of the whole model's gathered weights; "default" = "always" (free them)
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
 
 
 @dataclass

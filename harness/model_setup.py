@@ -51,7 +51,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
                            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce] if on_gpu else None,
                            ac_mode=cfg.activation_checkpoint.mode, compile=cfg.compile.enable,
                            cp_mesh=meshes.cp if meshes else None, ep_mesh=meshes.ep if meshes else None,
-                           expert_fsdp_mesh=meshes.expert_fsdp if meshes else None)
+                           expert_fsdp_mesh=meshes.expert_fsdp if meshes else None,
+                           reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward != "never")
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:

@@ -101,8 +101,9 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: DeviceMesh | None = None) -> None:
-    """FSDP2 per decoder block plus the root (embedding, final norm, lm_head).
+               expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> None:
+    """FSDP2 per decoder block plus the root (embedding, final norm, lm_head). `reshard_after_forward` False
+    keeps every unit's gathered weights from its forward to its backward.
 
     Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
     ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
@@ -117,20 +118,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # No cast: these units all-gather, compute and reduce in their parameters' own dtype, fp32 by contract.
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
+    reshard = reshard_after_forward
     for layer in model.layers.values():
         for module in layer.modules():
             if isinstance(module, Fp32ParamsModule):
-                fully_shard(module, mesh=mesh, mp_policy=fp32)
+                fully_shard(module, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
-                fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1))
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+                fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
+                            reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
 def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype,
                            reduce_dtype: torch.dtype, ac_mode: str, compile: bool,
                            cp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
-                           expert_fsdp_mesh: DeviceMesh | None = None) -> nn.Module:
+                           expert_fsdp_mesh: DeviceMesh | None = None,
+                           reshard_after_forward: bool = True) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
     context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
     group and the FSDP mesh of the experts' weights, None without expert parallelism."""
@@ -142,5 +146,5 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     if compile:
         apply_compile(model)
     if mesh is not None:
-        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh)
+        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward)
     return model

@@ -49,6 +49,8 @@ LAYOUTS = {  # name: (processes, config overrides)
     "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2"]),
     # op-level activation checkpointing with FSDP's fp32 units nested in each block, and under CP
     "cp2_selective_ac": (2, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
+    # gathered weights kept from forward to backward, also through full AC's recompute
+    "fsdp2_no_reshard": (2, ["--parallelism.fsdp_reshard_after_forward", "never", "--activation_checkpoint.mode", "full"]),
 }
 EP = "--parallelism.expert_parallel_degree"
 EP_LAYOUTS = {  # unbalanced routing (SKEWED): under EP=4, rank 0's two experts receive no token from any rank

@@ -75,3 +75,30 @@ def test_selective_checkpointing_recomputes_elementwise_work_but_no_matmul():
     # ... but recomputes what lies between them: activations, gates, norms.
     for op in ("silu", "sigmoid", "rsqrt"):
         assert none[op] < selective[op] <= full[op], (op, none[op], selective[op], full[op])
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mesh, reshard):
+    """`parallelism.fsdp_reshard_after_forward = "never"`: between forward and backward the blocks hold their
+    gathered (plain tensor) weights, not their shards (DTensors); the gradients are the same either way."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel.parallelize import apply_fsdp
+
+    plain = _model()
+    model = copy.deepcopy(plain)
+    apply_fsdp(model, one_rank_mesh, None, None, reshard_after_forward=reshard)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(64).expand(1, 64)
+    out = model(ids, positions)
+    weight = model.layers["0"].mlp.shared_expert.up_proj.weight
+    assert isinstance(weight, DTensor) == reshard
+    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
+    loss.backward()
+    assert isinstance(model.layers["0"].mlp.shared_expert.up_proj.weight, DTensor)  # resharded after backward
+    ref = F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), dict(plain.named_parameters())[name].grad,
+                                   rtol=1e-5, atol=1e-7, msg=name)
