@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.parallelize import reshard_fsdp
+
 from .config import JobConfig
 from .data import IGNORE_INDEX, build_dataloader
 
@@ -46,5 +48,6 @@ class Validator:
         totals = torch.stack((loss_sum, tokens))
         if dist.is_initialized():
             dist.all_reduce(totals)
+        reshard_fsdp(model)  # a forward without backward leaves reshard_after_forward=False units gathered
         model.train(was_training)
         return {"val_loss": (totals[0] / totals[1].clamp_min(1)).item(), "val_tokens": int(totals[1].item())}

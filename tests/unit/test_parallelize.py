@@ -83,7 +83,7 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
     gathered (plain tensor) weights, not their shards (DTensors); the gradients are the same either way."""
     from torch.distributed.tensor import DTensor
 
-    from parallel.parallelize import apply_fsdp
+    from parallel.parallelize import apply_fsdp, reshard_fsdp
 
     plain = _model()
     model = copy.deepcopy(plain)
@@ -96,6 +96,13 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     loss.backward()
     assert isinstance(model.layers["0"].mlp.shared_expert.up_proj.weight, DTensor)  # resharded after backward
+    # A forward without backward (validation) leaves them gathered until reshard_fsdp: a state dict (checkpoint)
+    # must hold the fp32 shards.
+    with torch.no_grad():
+        model(ids, positions)
+    assert isinstance(model.layers["0"].mlp.shared_expert.up_proj.weight, DTensor) == reshard
+    reshard_fsdp(model)
+    assert all(isinstance(value, DTensor) for value in model.state_dict().values())
     ref = F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
