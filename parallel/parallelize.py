@@ -118,16 +118,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # No cast: these units all-gather, compute and reduce in their parameters' own dtype, fp32 by contract.
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
-    reshard = reshard_after_forward
     for layer in model.layers.values():
         for module in layer.modules():
             if isinstance(module, Fp32ParamsModule):
-                fully_shard(module, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
+                fully_shard(module, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
-                            reshard_after_forward=reshard)
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+                            reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
 def reshard_fsdp(model: nn.Module) -> None:
