@@ -23,7 +23,9 @@ def torchrun(nproc: int) -> list[str]:
 def run(cmd, cwd):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The cause (a rank's exception) comes before torchrun's summary, which alone would fill the tail.
+    causes = [line for line in result.stderr.splitlines() if "Error" in line or "error:" in line][:10]
+    assert result.returncode == 0, "\n".join(causes) + "\n...\n" + result.stdout[-2000:] + result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
