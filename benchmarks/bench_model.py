@@ -38,6 +38,9 @@ def trainer_argv(hf_config: Path, dump_folder: Path, steps: int) -> list[str]:
     ]
 
 
+OUT_OF_MEMORY = "bench: out of memory"  # train_throughput.py's line for a rank that ran out; composed_mesh reads it
+
+
 def step_losses(metrics: Path) -> dict[int, float]:
     """{step: training loss} of a run's metrics.jsonl (validation records carry val_loss instead)."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

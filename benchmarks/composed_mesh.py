@@ -5,7 +5,8 @@ bench_model.py, full activation checkpointing, debug corpus).
     python benchmarks/composed_mesh.py layouts  [--experts 256] [--seq 4096] [--only cp2ep2,...] [--work DIR]
     python benchmarks/composed_mesh.py reshard  [--experts 16]  [--seq 4096] [--work DIR]
     python benchmarks/composed_mesh.py longest  [--experts 16]  [--seq L]
-    (--flavor debugmodel --experts 8 --seq 256: the same runs as a quick check on CPU, 4 gloo processes)
+    (layouts, reshard with --flavor debugmodel --experts 8 --seq 256: the same runs as a quick check on CPU, 4 gloo
+    processes; longest needs CP=4 to divide the GDN key heads, which the debug model's 2 do not allow)
 
 layouts  Every run takes 4 rows of --seq tokens per optimizer step (global batch 4), so the losses compare step
          by step with one GPU:
@@ -40,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_model import run_figures, step_losses  # noqa: E402
+from bench_model import OUT_OF_MEMORY, run_figures, step_losses  # noqa: E402
 
 THROUGHPUT = REPO / "benchmarks" / "train_throughput.py"
 FULL_AC = ("--activation_checkpoint.mode", "full")
@@ -79,14 +80,14 @@ class Run:
         print(f"mesh: {self.name} on GPUs {self.gpus}: exit {code}", flush=True)
         if code != 0:  # the first error lines of any rank: the cause, which torchrun's summary at the end omits
             causes = [line for line in (self.folder / "log").read_text().splitlines()
-                      if "Error" in line or "error:" in line or "bench: out of memory" in line]
+                      if "Error" in line or "error:" in line or OUT_OF_MEMORY in line]
             print("\n".join(f"mesh:   {line[:300]}" for line in causes[:6]), flush=True)
         return code
 
     @property
     def out_of_memory(self) -> bool:
         """Whether a rank ran out of memory (torchrun's own exit code is 1 whatever the ranks' were)."""
-        return "bench: out of memory" in (self.folder / "log").read_text()
+        return OUT_OF_MEMORY in (self.folder / "log").read_text()
 
     @property
     def out(self) -> Path:
@@ -214,7 +215,8 @@ def longest(work: Path, experts: int, seq: int) -> None:
     repeated.write_text(corpus * (2 * seq // 900_000 + 1))
 
     def cp_run(cp: int, length: int, gpus: str) -> Run:
-        return Run(work, f"cp{cp}_{length // 1024}k", gpus, experts, 3, "--training.seq_len", str(length),
+        name = f"cp{cp}_{length // 1024}k" if length % 1024 == 0 else f"cp{cp}_{length}"  # one folder per run
+        return Run(work, name, gpus, experts, 3, "--training.seq_len", str(length),
                    "--training.local_batch_size", "1", "--training.dataset_path", str(repeated), *flags(cp=cp))
 
     print(f"mesh: longest row, 4 layers, {experts} experts, full AC, 1 row per step")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench_model import bench_args, run_figures, trainer_argv  # noqa: E402
+from bench_model import OUT_OF_MEMORY, bench_args, run_figures, trainer_argv  # noqa: E402
 from harness.train import main  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main_bench() -> int:
         # collective.
         if not isinstance(err, torch.OutOfMemoryError) and "out of memory" not in str(err).lower():
             raise
-        print(f"bench: out of memory (rank {rank}) overrides={' '.join(ns.overrides)}: {str(err)[:200]}", flush=True)
+        print(f"{OUT_OF_MEMORY} (rank {rank}) overrides={' '.join(ns.overrides)}: {str(err)[:200]}", flush=True)
         os._exit(3)
     if rank != 0 or code != 0:
         return code

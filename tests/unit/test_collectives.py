@@ -11,7 +11,6 @@ from parallel.context_parallel import CPContext
 from parallel.expert_parallel import ExpertParallel
 
 
-
 @pytest.fixture
 def seen(monkeypatch):
     """Wrap the raw collectives: record, per call, whether the gradient of its output arrived contiguous."""

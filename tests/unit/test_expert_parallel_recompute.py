@@ -19,7 +19,6 @@ ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_i
                      shared_expert_intermediate_size=8)
 
 
-
 @pytest.fixture
 def host_syncs(monkeypatch):
     calls = []

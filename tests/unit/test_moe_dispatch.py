@@ -20,8 +20,8 @@ def per_token_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         probs = F.linear(token, moe.gate.weight).softmax(-1)
         weights, ids = probs.topk(moe.top_k)
         weights = weights / weights.sum()
-        out = sum(w * F.linear(F.silu(F.linear(token, moe.experts.gate_up_proj[e][:8])) *
-                               F.linear(token, moe.experts.gate_up_proj[e][8:]), moe.experts.down_proj[e])
+        gate, up = moe.experts.gate_up_proj.split(ARGS.moe_intermediate_size, dim=1)  # (E, I, D) each
+        out = sum(w * F.linear(F.silu(F.linear(token, gate[e])) * F.linear(token, up[e]), moe.experts.down_proj[e])
                   for w, e in zip(weights, ids.tolist()))
         shared = moe.shared_expert(token[None])[0]
         rows.append(out + torch.sigmoid(moe.shared_expert_gate(token)) * shared)

@@ -90,17 +90,17 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
     apply_fsdp(model, one_rank_mesh, None, None, reshard_after_forward=reshard)
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(64).expand(1, 64)
+    sharded = lambda: isinstance(model.layers["0"].mlp.shared_expert.up_proj.weight, DTensor)  # noqa: E731
     out = model(ids, positions)
-    weight = model.layers["0"].mlp.shared_expert.up_proj.weight
-    assert isinstance(weight, DTensor) == reshard
+    assert sharded() == reshard
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     loss.backward()
-    assert isinstance(model.layers["0"].mlp.shared_expert.up_proj.weight, DTensor)  # resharded after backward
+    assert sharded()  # resharded after backward
     # A forward without backward (validation) leaves them gathered until reshard_fsdp: a state dict (checkpoint)
     # must hold the fp32 shards.
     with torch.no_grad():
         model(ids, positions)
-    assert isinstance(model.layers["0"].mlp.shared_expert.up_proj.weight, DTensor) == reshard
+    assert sharded() == reshard
     reshard_fsdp(model)
     assert all(isinstance(value, DTensor) for value in model.state_dict().values())
     ref = F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
