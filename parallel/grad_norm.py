@@ -3,7 +3,8 @@
 torch's `clip_grad_norm_` stacks every gradient's norm into one tensor, which DTensors on different meshes
 cannot do: under expert parallelism the experts' gradients live on the (efsdp, ep) mesh and every other
 gradient on the FSDP mesh. Here each mesh's gradients are reduced to their global norm (a DTensor's norm
-reduces over its mesh), the norms are combined as plain tensors, and each group is scaled in place.
+reduces over its mesh), the norms are combined as plain tensors, and each group is scaled in place, or, with a
+fused Adam/AdamW, by the optimizer's step itself.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool = True) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool = True,
+                    fused_optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most `max_norm`; returns the norm before scaling
-    (a plain 0-dim tensor, at least fp32, on the gradients' device, the same on every rank). No host sync."""
+    (a plain 0-dim tensor, at least fp32, on the gradients' device, the same on every rank). No host sync.
+
+    `fused_optimizer` (torch's Adam or AdamW built with fused=True): the scaling is left to its next step, whose
+    kernel divides every gradient by the optimizer's `grad_scale` as it reads it (the hook GradScaler uses).
+    That spares a read and a write of every fp32 gradient. max_norm inf scales nothing."""
     groups: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its gradients
     for p in parameters:
         if p.grad is not None:
@@ -28,7 +34,19 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm.to(torch.promote_types(norm.dtype, torch.float32)).square())
     total = torch.stack(squares).sum().sqrt()
-    with implicit_replication():  # the plain norm acts as a replicated scalar against each mesh's DTensors
+    if fused_optimizer is not None:
+        fused_optimizer.grad_scale = None
+    if max_norm == float("inf"):
+        return total
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ coefficient
+    if fused_optimizer is not None:
+        fused_optimizer.grad_scale = coefficient.reciprocal()
+        return total
+    with implicit_replication():  # the plain coefficient acts as a replicated scalar against each mesh's DTensors
         for grads in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=foreach)
+            if foreach:
+                torch._foreach_mul_(grads, coefficient)
+            else:
+                for grad in grads:
+                    grad.mul_(coefficient)
     return total
