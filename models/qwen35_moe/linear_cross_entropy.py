@@ -6,6 +6,11 @@ of tokens computes its logits (in the weight's dtype, upcast to fp32 as the plai
 entropy and at once its gradients with respect to the hidden states and the weight; only those gradients are
 kept for backward, in fp32 (tokens x hidden, and the weight's shape accumulated over the chunks), so peak memory
 is one chunk's logits. No recompute: the backward only scales the stored gradients.
+
+On CUDA with half-precision logits a chunk's loss and logits' gradient come from one Triton kernel
+(cross_entropy_kernel.py: the same fp32 math per element, the gradient written in place of the bf16 logits, no
+fp32 copy), and the weight's gradient is accumulated by GEMMs with fp32 output. Elsewhere (CPU, fp32 or fp64
+logits) plain torch ops compute the same, the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -19,8 +24,18 @@ IGNORE_INDEX = -100
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grads: bool):
     """Summed cross entropy of one chunk, and (if want_grads) d loss / d logits in the logits' compute dtype."""
-    acc = at_least_fp32(h.dtype)
-    logits = (h @ weight.t()).to(acc)
+    logits = h @ weight.t()
+    if logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16):  # one fused kernel, same fp32 math
+        from .cross_entropy_kernel import cross_entropy_rows_
+
+        loss = cross_entropy_rows_(logits, labels, IGNORE_INDEX, write_grad=want_grads).sum()
+        return loss, logits if want_grads else None
+    return _torch_chunk_loss(logits, labels, want_grads, h.dtype)
+
+
+def _torch_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bool, grad_dtype: torch.dtype):
+    """The reference: the logits upcast to (at least) fp32, plain torch ops."""
+    logits = logits.to(at_least_fp32(logits.dtype))
     valid = labels != IGNORE_INDEX
     target = torch.where(valid, labels, 0)
     lse = torch.logsumexp(logits, dim=-1)
@@ -31,7 +46,16 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wan
     probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
     probs[torch.arange(len(target), device=probs.device), target] -= 1.0
     probs.mul_(valid.unsqueeze(1).to(probs.dtype))
-    return loss, probs.to(h.dtype)
+    return loss, probs.to(grad_dtype)
+
+
+def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """acc + a @ b (or a @ b if acc is None) in `dtype`. On CUDA, a half-precision GEMM accumulates straight
+    into fp32 (cuBLAS' fp32 output): no rounded half-precision product, no cast and add passes over it."""
+    if a.is_cuda and a.dtype != dtype and hasattr(torch.ops.aten.addmm, "dtype"):
+        return torch.mm(a, b, out_dtype=dtype) if acc is None else torch.addmm(acc, a, b, out_dtype=dtype)
+    product = (a @ b).to(dtype)
+    return product if acc is None else acc.add_(product)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -40,13 +64,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = at_least_fp32(h.dtype)
         total = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        grad_w = None if h.shape[0] else torch.zeros(weight.shape, dtype=acc, device=weight.device)
         for start in range(0, h.shape[0], chunk):
             hs, ys = h[start:start + chunk], labels[start:start + chunk]
             loss, dlogits = _chunk_loss(hs, weight, ys, want_grads=True)
             total += loss
-            grad_h[start:start + chunk] = dlogits @ weight  # cast up from the weight's dtype
-            grad_w += (dlogits.t() @ hs).to(acc)
+            grad_h[start:start + chunk] = _matmul_into(None, dlogits, weight, acc)
+            grad_w = _matmul_into(grad_w, dlogits.t(), hs, acc)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = h.dtype, weight.dtype
         return total

@@ -1,0 +1,89 @@
+"""The fused cross-entropy kernel (models/qwen35_moe/cross_entropy_kernel.py) and the CUDA chunked linear cross
+entropy built on it, against float64 references.
+
+The kernel reads bf16 logits and does fp32 math per element, as the torch path does after its upcast: its loss
+must equal the float64 loss of the same bf16 logits to fp32 rounding, and its gradient must equal the float64
+softmax-minus-one-hot rounded once to bf16 (a flip of the last bit allowed: fp32 exp and a different summation
+order land on the other side of a rounding boundary now and then). A vocabulary that is not a multiple of the
+kernel's block, targets at both ends of it and ignored rows check the masking.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.qwen35_moe.linear_cross_entropy import linear_cross_entropy_sum
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+VOCAB = 10_007  # > 2 blocks of 4096, and not a multiple of one
+
+
+def _labels(n: int, g: torch.Generator) -> torch.Tensor:
+    labels = torch.randint(0, VOCAB, (n,), generator=g)
+    labels[[0, 5, 6]] = -100
+    labels[1], labels[2] = 0, VOCAB - 1
+    return labels
+
+
+def test_kernel_loss_and_gradient_equal_float64_softmax_of_the_same_logits():
+    from models.qwen35_moe.cross_entropy_kernel import cross_entropy_rows_
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(67, VOCAB, generator=g) * 4).to(torch.bfloat16).cuda()
+    labels = _labels(67, g).cuda()
+    exact = logits.double()
+    valid = labels != -100
+    want_loss = F.cross_entropy(exact, labels, ignore_index=-100, reduction="none")
+    want_grad = torch.softmax(exact, -1) - F.one_hot(labels.clamp(min=0), VOCAB).double()
+    want_grad[~valid] = 0
+
+    loss_only = cross_entropy_rows_(logits.clone(), labels, -100, write_grad=False)
+    grad = logits.clone()
+    loss = cross_entropy_rows_(grad, labels, -100, write_grad=True)
+
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_only, loss, rtol=0, atol=0)
+    assert loss[~valid].abs().max() == 0 and grad[~valid].abs().max() == 0
+    rounded = want_grad.to(torch.bfloat16).double()
+    torch.testing.assert_close(grad.double(), rounded, rtol=2 ** -7, atol=1e-9)  # at most a last-bit flip
+    assert (grad.double() != rounded).float().mean() < 0.01  # and only now and then
+
+
+@pytest.mark.parametrize("chunk", [16, 1000])
+def test_cuda_chunked_loss_errs_no_more_than_plain_bf16(chunk):
+    """linear_cross_entropy_sum on CUDA in bf16 (the kernel, fp32-accumulated weight gradient over the chunks)
+    against the float64 truth, next to the plain bf16 path's error (torch's cross entropy on the whole bf16
+    logits upcast to fp32, autograd through the bf16 matmul). The kernel's path rounds the logits' gradient to
+    bf16 once, as the plain path does; its weight gradient is summed over the chunks in fp32 where the plain
+    path's one bf16 matmul rounds the sum (measured ratio in the note of the closing commit)."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(300, 256, generator=g).to(torch.bfloat16).cuda()
+    weight = (torch.randn(VOCAB, 256, generator=g) * 0.1).to(torch.bfloat16).cuda()
+    labels = _labels(300, g).cuda()
+
+    def loss_and_grads(fn, h, weight):
+        h, weight = h.detach().requires_grad_(), weight.detach().requires_grad_()
+        loss = fn(h, weight)
+        (loss * 0.7).backward()
+        return loss.detach(), h.grad, weight.grad
+
+    def plain(h, weight):
+        logits = h @ weight.t()
+        return F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, labels,
+                               ignore_index=-100, reduction="sum")
+
+    ours = loss_and_grads(lambda a, b: linear_cross_entropy_sum(a, b, labels, chunk), h, weight)
+    bf16 = loss_and_grads(plain, h, weight)
+    truth = loss_and_grads(plain, h.double(), weight.double())
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == ours[2].dtype == torch.bfloat16
+    torch.testing.assert_close(ours[0], bf16[0], rtol=1e-5, atol=0)  # the same bf16 logits, fp32 math
+    for name, a, b, t in zip(["dh", "dweight"], ours[1:], bf16[1:], truth[1:]):
+        err = lambda x: ((x.double() - t).norm() / t.norm()).item()  # noqa: E731
+        print(f"chunk {chunk} {name}: ours {err(a):.3e} plain bf16 {err(b):.3e}")
+        assert err(a) <= 1.25 * err(b), (name, err(a), err(b))
+    assert ours[1][[0, 5, 6]].abs().max() == 0  # ignored tokens get no gradient
+    with torch.no_grad():  # the forward-only path (validation)
+        torch.testing.assert_close(linear_cross_entropy_sum(h, weight, labels, chunk), ours[0], rtol=1e-6, atol=0)
