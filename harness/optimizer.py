@@ -1,4 +1,5 @@
-"""The optimizer of a run (AdamW or Adam) with its parameter groups."""
+"""The optimizer of a run (AdamW or Adam) with its parameter groups: on CUDA our FastAdam (one Triton kernel per
+parameter, torch's math and state), elsewhere torch's foreach implementation."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from .config import Optimizer as OptimizerConfig
+from .fast_adam import FastAdam
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -14,7 +16,9 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
     # Adam applies weight_decay as an L2 term in the gradient, AdamW decoupled from it.
+    if device.type == "cuda":
+        return FastAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                        decoupled_weight_decay=cfg.name == "AdamW")
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)

@@ -164,9 +164,9 @@ class Trainer:
         if distributed:
             torch.distributed.all_reduce(losses)
         max_norm = self.cfg.training.max_norm
-        fused = self.optimizer.defaults.get("fused")
+        # On CUDA the optimizer (FastAdam) applies the clipping as it reads the gradients
         grad_norm = clip_grad_norm_(self.model.parameters(), math.inf if max_norm is None else max_norm,
-                                    fused_optimizer=self.optimizer if fused else None)
+                                    scaling_optimizer=self.optimizer if self.device.type == "cuda" else None)
         # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.
         self.optimizer.step()
         self.lr_scheduler.step()

@@ -17,13 +17,13 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool = True,
-                    fused_optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+                    scaling_optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most `max_norm`; returns the norm before scaling
     (a plain 0-dim tensor, at least fp32, on the gradients' device, the same on every rank). No host sync.
 
-    `fused_optimizer` (torch's Adam or AdamW built with fused=True): the scaling is left to its next step, whose
-    kernel divides every gradient by the optimizer's `grad_scale` as it reads it (the hook GradScaler uses).
-    That spares a read and a write of every fp32 gradient. max_norm inf scales nothing."""
+    `scaling_optimizer`: an optimizer whose step divides every gradient by its `grad_scale` as it reads it
+    (torch's fused Adam/AdamW, the hook GradScaler uses; harness.fast_adam.FastAdam on CUDA). The scaling is then
+    left to its next step, which spares a read and a write of every fp32 gradient. max_norm inf scales nothing."""
     groups: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its gradients
     for p in parameters:
         if p.grad is not None:
@@ -34,13 +34,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm.to(torch.promote_types(norm.dtype, torch.float32)).square())
     total = torch.stack(squares).sum().sqrt()
-    if fused_optimizer is not None:
-        fused_optimizer.grad_scale = None
+    if scaling_optimizer is not None:
+        scaling_optimizer.grad_scale = None
     if max_norm == float("inf"):
         return total
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ coefficient
-    if fused_optimizer is not None:
-        fused_optimizer.grad_scale = coefficient.reciprocal()
+    if scaling_optimizer is not None:
+        scaling_optimizer.grad_scale = coefficient.reciprocal()
         return total
     with implicit_replication():  # the plain coefficient acts as a replicated scalar against each mesh's DTensors
         for grads in groups.values():

@@ -37,7 +37,7 @@ def _stepped(max_norm: float, fold: bool, steps: int = 2) -> tuple[list[torch.Te
     for step in range(steps):
         optimizer.zero_grad()
         model(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).square().sum().backward()
-        norms.append(clip_grad_norm_(model.parameters(), max_norm, fused_optimizer=optimizer if fold else None).item())
+        norms.append(clip_grad_norm_(model.parameters(), max_norm, scaling_optimizer=optimizer if fold else None).item())
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()], norms
 
@@ -59,7 +59,7 @@ def test_an_unclipped_step_drops_the_previous_steps_scale():
     p = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([p], fused=True)
     p.grad = torch.full((3,), 10.0)
-    clip_grad_norm_([p], 1.0, fused_optimizer=optimizer)
+    clip_grad_norm_([p], 1.0, scaling_optimizer=optimizer)
     assert optimizer.grad_scale is not None
-    clip_grad_norm_([p], float("inf"), fused_optimizer=optimizer)
+    clip_grad_norm_([p], float("inf"), scaling_optimizer=optimizer)
     assert optimizer.grad_scale is None
