@@ -17,6 +17,11 @@ def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
                          f"got x of shape {tuple(x.shape)}; flatten the batch to (1, B*T, D) first.")
     if x.device.type != "cuda":
         return torch_causal_conv1d(x, weight, cu_seqlens)
+    return _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu)
+
+
+@torch.compiler.disable  # one graph break under compile, not FLA's several (see gated_delta_rule.py)
+def _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu):
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # lazy: needs triton and a GPU
 
     if cu_seqlens is not None:

@@ -29,6 +29,14 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
                          f"got q of shape {tuple(q.shape)}; flatten the batch to (1, B*T, ...) first.")
     if q.device.type != "cuda":
         return torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+    return _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+
+
+# Under torch.compile (compile.enable) the FLA call is one graph break: traced into, FLA's host-side preparation
+# (chunk indices from cu_seqlens: data-dependent shapes, its own compiler.disable) breaks the graph several times
+# and recompiles per layout; its Triton kernels gain nothing from tracing.
+@torch.compiler.disable
+def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: FLA needs triton and a GPU
 
     if cu_seqlens is not None:
