@@ -5,7 +5,8 @@ a 231 ms step, benchmarks/hf_baseline.py with 8 layers), a third of the memory's
 reads four fp32 tensors and writes three. A plain elementwise kernel per parameter streams close to the bandwidth.
 The math, the state (step, exp_avg, exp_avg_sq) and so the state dict and checkpoints are torch's. `grad_scale`
 (a device scalar every gradient is divided by as it is read, as in torch's fused step) carries the gradient
-clipping without a pass of its own (parallel/grad_norm.py). Off CUDA, torch's own step runs.
+clipping without a pass of its own (parallel/grad_norm.py). Tensors the kernel does not take (off CUDA, not fp32,
+not contiguous) get the same math from torch's ops (torch's single-tensor Adam).
 """
 
 from __future__ import annotations
@@ -33,12 +34,6 @@ class FastAdam(torch.optim.Adam):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("FastAdam.step: closures are not supported")
-        if not any(p.grad is not None and p.is_cuda for g in self.param_groups for p in g["params"]):
-            if self.grad_scale is not None:
-                raise ValueError("FastAdam.step: grad_scale is applied by the CUDA step only")
-            return super().step()
-        from .adam_step_kernel import adam_step_
-
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -49,13 +44,37 @@ class FastAdam(torch.optim.Adam):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if state["step"].is_cuda:  # resumed from torch's fused AdamW, which keeps it on the GPU: read once
+                if state["step"].device.type != "cpu":  # resumed from torch's fused AdamW (step on the GPU): once
                     state["step"] = state["step"].cpu()
                 state["step"] += 1
                 step = state["step"].item()
-                adam_step_(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                           lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                           bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
-                           grad_scale=self.grad_scale)
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                on_kernel = all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+                update = _triton_step() if on_kernel else adam_step_torch_
+                update(*tensors, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                       bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
+                       grad_scale=self.grad_scale)
         return None
+
+
+def _triton_step():
+    from .adam_step_kernel import adam_step_  # lazy: Triton needs a GPU, and CPU installs may lack it
+
+    return adam_step_
+
+
+def adam_step_torch_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, decoupled,
+                     bias_correction1, bias_correction2_sqrt, grad_scale) -> None:
+    """The kernel's step with torch's ops, in place, for any device, dtype and layout (torch's single-tensor Adam)."""
+    if grad_scale is not None:
+        grad = grad / grad_scale
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
