@@ -164,7 +164,7 @@ class Trainer:
         if distributed:
             torch.distributed.all_reduce(losses)
         max_norm = self.cfg.training.max_norm
-        # On CUDA the optimizer (FastAdam) applies the clipping as it reads the gradients
+        # On CUDA the optimizer (FastAdam) applies the clipping as it reads the gradients: no pass of its own
         grad_norm = clip_grad_norm_(self.model.parameters(), math.inf if max_norm is None else max_norm,
                                     scaling_optimizer=self.optimizer if self.device.type == "cuda" else None)
         # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.

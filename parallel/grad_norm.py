@@ -3,8 +3,8 @@
 torch's `clip_grad_norm_` stacks every gradient's norm into one tensor, which DTensors on different meshes
 cannot do: under expert parallelism the experts' gradients live on the (efsdp, ep) mesh and every other
 gradient on the FSDP mesh. Here each mesh's gradients are reduced to their global norm (a DTensor's norm
-reduces over its mesh), the norms are combined as plain tensors, and each group is scaled in place, or, with a
-fused Adam/AdamW, by the optimizer's step itself.
+reduces over its mesh), the norms are combined as plain tensors, and each group is scaled in place, or by the
+optimizer's step itself where it can (FastAdam's grad_scale).
 """
 
 from __future__ import annotations

@@ -64,13 +64,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = at_least_fp32(h.dtype)
         total = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
-        grad_w = None if h.shape[0] else torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        grad_w = None  # the first chunk's GEMM makes it
         for start in range(0, h.shape[0], chunk):
             hs, ys = h[start:start + chunk], labels[start:start + chunk]
             loss, dlogits = _chunk_loss(hs, weight, ys, want_grads=True)
             total += loss
             grad_h[start:start + chunk] = _matmul_into(None, dlogits, weight, acc)
             grad_w = _matmul_into(grad_w, dlogits.t(), hs, acc)
+        if grad_w is None:  # no tokens
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = h.dtype, weight.dtype
         return total
