@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench_model import OUT_OF_MEMORY, bench_args, run_figures, trainer_argv  # noqa: E402
+from harness.config import load_config  # noqa: E402
 from harness.train import main  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def main_bench() -> int:
         os._exit(3)
     if rank != 0 or code != 0:
         return code
-    figures = run_figures(work / "out" / "metrics.jsonl", ns.warmup)
+    figures = run_figures(Path(load_config(argv).job.dump_folder) / "metrics.jsonl", ns.warmup)  # yours, if given
     if figures is None:
         return 1
     tps, mfu = figures["tokens_per_sec"], figures["mfu"]
