@@ -32,6 +32,7 @@ from .loss import balance_loss_share, global_label_tokens
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, max_memory_gib, mean_attended_keys, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args
+from .fast_adam import FastAdam
 from .optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
@@ -164,9 +165,10 @@ class Trainer:
         if distributed:
             torch.distributed.all_reduce(losses)
         max_norm = self.cfg.training.max_norm
-        # On CUDA the optimizer (FastAdam) applies the clipping as it reads the gradients: no pass of its own
+        # FastAdam (the optimizer on CUDA) applies the clipping as it reads the gradients: no pass of its own
+        scales = isinstance(self.optimizer, FastAdam)
         grad_norm = clip_grad_norm_(self.model.parameters(), math.inf if max_norm is None else max_norm,
-                                    scaling_optimizer=self.optimizer if self.device.type == "cuda" else None)
+                                    scaling_optimizer=self.optimizer if scales else None)
         # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.
         self.optimizer.step()
         self.lr_scheduler.step()

@@ -11,9 +11,13 @@ import torch
 from parallel.grad_norm import clip_grad_norm_
 
 
-def _model_with_grads() -> torch.nn.Module:
+def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def _model_with_grads() -> torch.nn.Module:
+    model = _model()
     model(torch.randn(8, 16)).square().sum().backward()
     return model
 
@@ -30,8 +34,7 @@ def test_clipping_equals_torch_clip_grad_norm(max_norm, foreach):
 
 
 def _stepped(max_norm: float, fold: bool, steps: int = 2) -> tuple[list[torch.Tensor], list[float]]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, eps=1.0, weight_decay=0.1, fused=True)
     norms = []
     for step in range(steps):
