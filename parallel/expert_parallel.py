@@ -89,6 +89,8 @@ class ExpertParallel:
         self.group = mesh.get_group()
         self._forward = None  # (received, send, recv) of the last forward outside a backward pass
 
+    # Eager under torch.compile: the split sizes it reads on the host would recompile the block at every routing.
+    @torch.compiler.disable
     def exchange(self, x: torch.Tensor, counts: torch.Tensor,
                  local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         received = exchange_counts(counts, self.group)

@@ -73,6 +73,10 @@ def _varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int) -> torch.Tensor:
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0), **kwargs)
 
 
+# The two flash paths below run outside torch.compile's graph (compile.enable): they hand the layout's Python ints
+# (the longest document or segment) to the kernel, and traced, each new longest document of a batch would
+# recompile the block; after 8 dynamo gives up and runs the block eagerly for the rest of the run.
+@torch.compiler.disable
 def _flash_varlen(q, k, v, layout: DocumentLayout) -> torch.Tensor:
     """Packed documents on CUDA in half precision: flash varlen, no (S, S) mask is materialised."""
     batch, seq = q.shape[0], q.shape[1]
@@ -82,6 +86,7 @@ def _flash_varlen(q, k, v, layout: DocumentLayout) -> torch.Tensor:
     return out.reshape(batch, seq, out.shape[1], out.shape[2])
 
 
+@torch.compiler.disable
 def _flash_varlen_context_parallel(q, k, v, layout: DocumentLayout) -> torch.Tensor:
     """Local queries q (B, S_local, Hq, D) against the whole rows' k/v (B, S, Hkv, D) on CUDA in half precision:
     each (chunk, document) segment of queries against its document's keys up to its last query. The gathered

@@ -33,6 +33,7 @@ def _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu):
     return y.to(x.dtype)
 
 
+@torch.compiler.disable  # eager under compile: its check reads cu_seqlens on the host (a recompile per layout)
 def torch_causal_conv1d(x, weight, cu_seqlens=None):
     """Pure torch: W shifted copies of x, each masked where its tap crosses a document start. fp32 math."""
     B, T, D = x.shape

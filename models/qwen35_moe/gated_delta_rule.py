@@ -78,6 +78,9 @@ def _check_cu_seqlens(cu_seqlens, B, T):
         raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {T}, got {cu}.")
 
 
+# Eager under torch.compile too: its host loop over chunks and its sizes read from cu_seqlens would recompile the
+# block for every document layout.
+@torch.compiler.disable
 def torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, chunk_size=64):
     """Chunked gated delta rule in pure torch (fp32 math, fp64 if given fp64); same contract as gated_delta_rule.
 

@@ -131,6 +131,7 @@ class RoutedExperts(nn.Module):
         gate, up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
 
+    @torch.compiler.disable  # eager under compile: split sizes read on the host would recompile at every routing
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # Reference path (CPU, fp32): one matmul pair per expert, also for one without tokens, so that x and every
         # weight stay in the graph; under expert parallelism a rank may receive no tokens at all and must still

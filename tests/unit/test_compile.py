@@ -1,0 +1,82 @@
+"""compile.enable: the compiled blocks compute what the eager ones do, and a run compiles once, whatever documents
+its batches pack.
+
+Packed batches differ in their document count (the size of cu_seqlens) and longest document (a Python int the
+flash kernel takes). Dynamo makes a changed size dynamic after one recompile; a Python int or a host loop over the
+documents traced into the graph would instead recompile at every new layout, and after 8 (dynamo's recompile
+limit) the block silently runs eagerly for the rest of the run. The flash varlen path is exercised on CPU with a
+varlen stand-in (attention per document with SDPA), so the ints it receives are those of the CUDA path.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from models.qwen35_moe import attention, get_flavor
+from parallel.parallelize import apply_compile
+from tests.builders import fp32_grad_tolerance, initialized_model
+
+SEQ = 96
+
+
+def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa=False):
+    """torch's varlen_attn for equal query and key segments, per segment with SDPA; checks the ints it is given."""
+    assert isinstance(max_q, int) and isinstance(max_k, int), (type(max_q), type(max_k))
+    bounds = cu_q.tolist()
+    assert torch.equal(cu_q, cu_k) and window_size == (-1, 0)
+    assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+    out = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                          enable_gqa=enable_gqa).transpose(0, 1)
+           for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(out)
+
+
+def _positions(documents: list[list[int]]) -> torch.Tensor:
+    """(B, SEQ) position ids of rows packing documents of the given lengths."""
+    rows = [torch.cat([torch.arange(n) for n in row]) for row in documents]
+    assert all(len(r) == SEQ for r in rows)
+    return torch.stack(rows)
+
+
+# An unpacked batch, then packed ones with every document count and longest document different.
+LAYOUTS = [None, [[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [5, 91]], [[1, 94, 1], [70, 26]],
+           [[33, 33, 30], [20, 20, 20, 20, 16]]]
+WARMUP = 3  # the unpacked path, a packed one, and the recompile that makes cu_seqlens' size dynamic
+
+
+def _step(model, ids, positions):
+    out = model(ids, positions)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.item(), grads
+
+
+def test_compiled_blocks_match_eager_and_compile_once(monkeypatch):
+    monkeypatch.setattr(attention, "_flash_applies", lambda q: True)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_stand_in, True))
+    torch._dynamo.reset()
+    eager = initialized_model(get_flavor("debugmodel"))
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled)
+    g = torch.Generator().manual_seed(3)
+    compiles_after_warmup = None
+    for i, documents in enumerate(LAYOUTS):
+        if i == WARMUP:
+            compiles_after_warmup = counters["frames"]["ok"]
+            assert compiles_after_warmup > 0  # the blocks did compile
+        ids = torch.randint(0, 512, (2, SEQ), generator=g)
+        positions = None if documents is None else _positions(documents)
+        loss, grads = _step(eager, ids, positions)
+        loss_c, grads_c = _step(compiled, ids, positions)
+        # fp32 on CPU; compiled kernels fuse and sum in other orders than eager ops.
+        assert loss_c == pytest.approx(loss, rel=1e-6), documents
+        for name, grad in grads.items():
+            tol = fp32_grad_tolerance(name)
+            torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol * 1e-2, msg=f"{name} {documents}")
+    assert counters["frames"]["ok"] == compiles_after_warmup, "new document layouts recompiled the blocks"
+    torch._dynamo.reset()
