@@ -40,26 +40,14 @@ def tokens(rank: int) -> torch.Tensor:
     return x
 
 
-def main() -> None:
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo")
-    rank, ep = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    reference = SparseMoE(ARGS)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.normal_(0, 0.5)
-        reference.gate.weight.copy_(torch.eye(ARGS.num_experts, ARGS.hidden_size) * 4)  # expert e <- dim e
+def check_expert_parallel_layer(reference: SparseMoE, out_ref: torch.Tensor, whole_grad: torch.Tensor, xs, weights,
+                                rank: int, ep: int, compiled: bool) -> None:
+    """This rank's share of the layer under EP against the whole layer's output and gradients (float64)."""
     ep_layer = SparseMoE(ARGS)
     ep_layer.load_state_dict(reference.state_dict())
     ep_layer.experts = ExpertParallelExperts(reference.experts, rank, ep)
-
-    xs = [tokens(r) for r in range(ep)]
-    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + r)) for r, x in enumerate(xs)]
-    whole = torch.cat(xs).requires_grad_()
-    out_ref, counts_ref, _ = reference(whole.unsqueeze(0))
-    (out_ref.squeeze(0) * torch.cat(weights)).sum().backward()
-
+    if compiled:
+        ep_layer.compile()
     x = xs[rank].clone().requires_grad_()
     out, counts, _ = ep_layer(x.unsqueeze(0))
     (out.squeeze(0) * weights[rank]).sum().backward()
@@ -70,20 +58,40 @@ def main() -> None:
     if rank == 0:
         assert counts[4:].sum() == 0, counts  # the unbalanced case is really exercised
     close = dict(rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(out.squeeze(0), out_ref.squeeze(0)[mine], **close, msg="output")
-    torch.testing.assert_close(x.grad, whole.grad[mine], **close, msg="input gradient")
+    what = "compiled " if compiled else ""
+    torch.testing.assert_close(out.squeeze(0), out_ref.squeeze(0)[mine], **close, msg=what + "output")
+    torch.testing.assert_close(x.grad, whole_grad[mine], **close, msg=what + "input gradient")
     # Router and shared expert: replicated, each rank's gradient from its own tokens; summed over the ranks.
     for name, p in ep_layer.named_parameters():
         if name.startswith("experts."):
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad)
-        torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, **close, msg=name)
+        torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, **close, msg=what + name)
     # Local experts: each rank's gradient already holds every rank's tokens (through the all-to-all's backward).
     torch.testing.assert_close(ep_layer.experts.local.gate_up_proj.grad, reference.experts.gate_up_proj.grad[experts],
-                               **close, msg="gate_up_proj")
+                               **close, msg=what + "gate_up_proj")
     torch.testing.assert_close(ep_layer.experts.local.down_proj.grad, reference.experts.down_proj.grad[experts],
-                               **close, msg="down_proj")
+                               **close, msg=what + "down_proj")
+
+
+def main() -> None:
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo")
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = SparseMoE(ARGS)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0, 0.5)
+        reference.gate.weight.copy_(torch.eye(ARGS.num_experts, ARGS.hidden_size) * 4)  # expert e <- dim e
+    xs = [tokens(r) for r in range(ep)]
+    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + r)) for r, x in enumerate(xs)]
+    whole = torch.cat(xs).requires_grad_()
+    out_ref = reference(whole.unsqueeze(0))[0]
+    (out_ref.squeeze(0) * torch.cat(weights)).sum().backward()
+    for compiled in (False, True):  # compiled, the exchange runs eagerly between two graphs (compile.enable)
+        check_expert_parallel_layer(reference, out_ref, whole.grad, xs, weights, rank, ep, compiled)
     dist.destroy_process_group()
 
 
