@@ -49,13 +49,19 @@ def _torch_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bo
     return loss, probs.to(grad_dtype)
 
 
-def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """acc + a @ b (or a @ b if acc is None) in `dtype`. On CUDA, a half-precision GEMM accumulates straight
-    into fp32 (cuBLAS' fp32 output): no rounded half-precision product, no cast and add passes over it."""
-    if a.is_cuda and a.dtype != dtype and hasattr(torch.ops.aten.addmm, "dtype"):
-        return torch.mm(a, b, out_dtype=dtype) if acc is None else torch.addmm(acc, a, b, out_dtype=dtype)
-    product = (a @ b).to(dtype)
-    return product if acc is None else acc.add_(product)
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """out = a @ b, or out += a @ b, in out's dtype. On CUDA a half-precision GEMM writes (or accumulates) straight
+    into the fp32 `out` (cuBLAS' fp32 output): no rounded half-precision product, no cast, add or copy pass over
+    it, and no transient of out's size (1.9 GiB for the 35B-A3B lm_head's gradient)."""
+    if a.is_cuda and a.dtype != out.dtype and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -64,15 +70,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = at_least_fp32(h.dtype)
         total = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
-        grad_w = None  # the first chunk's GEMM makes it
+        # The first chunk's GEMM writes it, the others add to it (zeros if there are no tokens).
+        grad_w = (torch.empty if h.shape[0] else torch.zeros)(weight.shape, dtype=acc, device=weight.device)
         for start in range(0, h.shape[0], chunk):
             hs, ys = h[start:start + chunk], labels[start:start + chunk]
             loss, dlogits = _chunk_loss(hs, weight, ys, want_grads=True)
             total += loss
-            grad_h[start:start + chunk] = _matmul_into(None, dlogits, weight, acc)
-            grad_w = _matmul_into(grad_w, dlogits.t(), hs, acc)
-        if grad_w is None:  # no tokens
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            _matmul_into(grad_h[start:start + chunk], dlogits, weight, accumulate=False)
+            _matmul_into(grad_w, dlogits.t(), hs, accumulate=start > 0)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = h.dtype, weight.dtype
         return total
