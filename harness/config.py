@@ -75,6 +75,10 @@ class Training:
     # 0 = all at once. Peak per chunk token ~2 bytes x vocab on CUDA (bf16 logits, their gradient written in place:
     # 0.5 GiB for 1024 tokens of a 248k vocab; 4096 measured 4% faster), ~6 elsewhere; + an fp32 lm_head grad.
     loss_chunk_tokens: int = 1024
+    # Python's cyclic garbage collector runs every N steps (its young generations), not whenever allocations
+    # trigger it: a collection pauses the host mid-step, and with the GPU fed by the host (compile.enable) that
+    # stalls the GPU too. 0 = Python's own schedule.
+    gc_freq: int = 50
 
 
 @dataclass
@@ -349,6 +353,8 @@ def _check_values(cfg: JobConfig) -> None:
     if (cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot) and cfg.profiling.profile_freq < 2:
         raise ConfigError(f"profiling.profile_freq must be >= 2 (a warm-up step, then the traced one), got "
                           f"{cfg.profiling.profile_freq}")
+    if cfg.training.gc_freq < 0:
+        raise ConfigError(f"training.gc_freq must be >= 0 (0: Python's own schedule), got {cfg.training.gc_freq}")
     if cfg.training.loss_chunk_tokens < 0:
         raise ConfigError(f"training.loss_chunk_tokens must be >= 0 (0: all tokens at once), got "
                           f"{cfg.training.loss_chunk_tokens}")

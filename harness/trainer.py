@@ -6,6 +6,7 @@ dims and mesh, tokenizer, model (model_setup), optimizer and LR schedule, data, 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -200,9 +201,15 @@ class Trainer:
         window_tokens, window_attended, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
         self.model.train()
         profiler = StepProfiler(cfg, self.rank, self.device, start_step=self.step)
+        gc_freq = cfg.training.gc_freq
+        if gc_freq:
+            gc.disable()
+            gc.collect(1)
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
+                if gc_freq and self.step % gc_freq == 0:
+                    gc.collect(1)
                 lr = self.optimizer.param_groups[0]["lr"]
                 batches = [next(data) for _ in range(accum)]
                 self.pending.append((self.step, self._step(batches)))
@@ -232,6 +239,8 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
+            if gc_freq:
+                gc.enable()
             profiler.close()
             self.metrics.close()
         return self.last

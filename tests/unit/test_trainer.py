@@ -106,6 +106,7 @@ def test_nan_loss_stops_with_the_step_named(tmp_path, capsys):
         (["--training.dataset_path", "/nonexistent/corpus.jsonl"], "/nonexistent/corpus.jsonl"),
         (["--model.flavor", "tiny"], "model.flavor 'tiny' is not a known flavor"),
         (["--model.tokenizer_path", "/tmp"], "'/tmp' holds no tokenizer.json"),
+        (["--training.gc_freq", "-1"], "training.gc_freq must be >= 0"),
     ],
 )
 def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(tmp_path, capsys, argv, message):
@@ -194,3 +195,18 @@ def test_a_tiny_dataset_does_not_log_every_epoch(tmp_path, caplog):
             next(loader)
     epoch_lines = [r for r in caplog.records if "epoch" in r.getMessage()]
     assert 1 <= len(epoch_lines) <= 7  # epochs 1, 2, 4, ..., 64
+
+
+def test_garbage_collection_runs_every_gc_freq_steps_and_is_restored(tmp_path, monkeypatch):
+    """training.gc_freq: Python's collector off during the run, a young-generation collection every N steps."""
+    import gc
+
+    calls = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append((generation, gc.isenabled())) or
+                        collect(generation))
+    assert gc.isenabled()
+    assert _run(tmp_path, "--training.steps", "7", "--training.gc_freq", "3") == 0
+    young = [c for c in calls if c[0] == 1]
+    assert young == [(1, False)] * 3  # before step 1, at steps 3 and 6; the collector disabled meanwhile
+    assert gc.isenabled()
