@@ -33,3 +33,29 @@ def test_traces_land_on_the_training_steps_that_are_multiples_of_profile_freq(tm
     assert main([*ARGS, "--training.steps", "6", "--job.dump_folder", str(resumed),
                  "--checkpoint.enable", "true", "--checkpoint.interval", "4"]) == 0
     assert sorted(p.name for p in (resumed / "profile_traces").iterdir()) == ["iteration_3", "iteration_6"]
+
+
+def test_trace_gaps_counts_idle_time_once_over_streams_and_names_the_launching_op(tmp_path):
+    """benchmarks/trace_gaps.py on a hand-made trace: kernels on two streams overlap (busy counted once), and the
+    idle time before a kernel goes to the host ops around its launch."""
+    import subprocess
+    import sys
+
+    def op(name, ts, dur, cat="cpu_op", **args):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": args}
+
+    def kernel(ts, dur, correlation, stream):
+        return {"name": f"k{correlation}", "cat": "kernel", "ts": ts, "dur": dur, "pid": 0, "tid": stream,
+                "args": {"correlation": correlation}}
+
+    events = [op("ProfilerStep#6", 0, 2000, "user_annotation"), op("Optimizer.step#FastAdam.step", 100, 1500),
+              op("aten::mul", 110, 20), op("cudaLaunchKernel", 115, 5, "cuda_runtime", correlation=1),
+              op("cudaLaunchKernel", 900, 5, "cuda_runtime", correlation=2),
+              kernel(120, 300, 1, 7), kernel(200, 400, 3, 8),  # overlap: busy 120..600
+              kernel(1000, 100, 2, 7)]  # 400 us idle before it, launched under FastAdam.step
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_gaps.py"), str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "GPU busy 0.6 ms of 1.0 ms traced; idle 0.4 ms in 1 gaps" in out
+    assert "0.40 ms  Optimizer.step#FastAdam.step > cudaLaunchKernel" in out

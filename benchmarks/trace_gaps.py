@@ -1,0 +1,85 @@
+"""Where the GPU waits for the host, from a torch.profiler chrome trace (`--profiling.enable_profiling true`).
+
+    python benchmarks/trace_gaps.py <dump_folder>/profile_traces/iteration_N/rank0_trace.json
+
+Prints the GPU's busy time (the union over streams) against the traced span, the idle gaps by size, and the idle
+time before each kernel attributed to the host ops that launched it (outermost two, and innermost non-aten one):
+a compiled step that is not faster than its GPU time says which host work to take away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+
+def _gaps(kernels: list[dict]) -> tuple[float, float, list[tuple[float, dict]]]:
+    """(busy, span, [(idle before kernel, kernel)]) over kernels sorted by start (any stream)."""
+    busy, end, gaps = 0.0, None, []
+    for k in kernels:
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        if end is None or start > end:
+            if end is not None:
+                gaps.append((start - end, k))
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return busy, end - kernels[0]["ts"], gaps
+
+
+def _parents(ops: list[dict]) -> dict[int, dict | None]:
+    """Each host op's enclosing op on its thread (by time nesting)."""
+    parent = {}
+    threads = collections.defaultdict(list)
+    for e in ops:
+        threads[(e["pid"], e["tid"])].append(e)
+    for seq in threads.values():
+        stack = []
+        for e in sorted(seq, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"] + e["dur"]:
+                stack.pop()
+            parent[id(e)] = stack[-1] if stack else None
+            stack.append(e)
+    return parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trace", help="a rank's chrome trace (.json)")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    events = json.load(open(args.trace))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        raise SystemExit(f"{args.trace}: no GPU events (a CPU run?)")
+    busy, span, gaps = _gaps(kernels)
+    print(f"GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms traced; idle {(span - busy) / 1e3:.1f} ms "
+          f"in {len(gaps)} gaps")
+    ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function", "cuda_runtime")
+           and "dur" in e]
+    parent = _parents(ops)
+    launches = {e["args"]["correlation"]: e for e in ops
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    by_size, by_outer, by_inner = collections.Counter(), collections.Counter(), collections.Counter()
+    for idle, kernel in gaps:
+        by_size["<20 us" if idle < 20 else "20-100 us" if idle < 100 else "0.1-1 ms" if idle < 1000 else ">1 ms"] += idle
+        chain, op = [], launches.get(kernel.get("args", {}).get("correlation"))
+        while op is not None:
+            if not op["name"].startswith("ProfilerStep"):
+                chain.append(op["name"])
+            op = parent.get(id(op))
+        if not chain:
+            chain = ["(no launch in the trace)"]
+        by_outer[" > ".join(name[:45] for name in reversed(chain[-2:]))] += idle
+        by_inner[next((n for n in chain if not n.startswith(("aten::", "cuda", "cuLaunch"))), chain[0])[:90]] += idle
+    print("idle by gap size (ms):", {k: round(v / 1e3, 1) for k, v in by_size.most_common()})
+    for title, counter in (("outermost two host ops", by_outer), ("innermost non-aten host op", by_inner)):
+        print(f"idle before kernels launched under ({title}):")
+        for name, idle in counter.most_common(args.top):
+            print(f"{idle / 1e3:8.2f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
