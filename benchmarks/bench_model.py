@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from models.qwen35_moe import Qwen35MoeArgs, get_flavor
 
@@ -58,3 +61,21 @@ def run_figures(metrics: Path, warmup: int) -> dict | None:
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
             "mfu": statistics.median(mfu) if mfu else None,
             "max_memory_gib": max(r["max_memory_gib"] for r in rows), "final_loss": rows[-1]["loss"]}
+
+
+def cuda_median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3,
+                   before: Callable[[], object] | None = None) -> float:
+    """Median milliseconds of fn() on the GPU (CUDA events) over `repeats` calls after `warmup`; `before()` runs
+    ahead of each call, untimed (a barrier, so that ranks start together)."""
+    times = []
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models.qwen35_moe.gated_deltanet as gdn_module  # noqa: E402
-from bench_model import bench_args  # noqa: E402
+from bench_model import bench_args, cuda_median_ms  # noqa: E402
 from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
 from models.qwen35_moe.causal_conv import torch_causal_conv1d  # noqa: E402
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, torch_chunk_gated_delta_rule  # noqa: E402
@@ -159,19 +158,9 @@ class FlaContextParallelGDN(CPAwareGatedDeltaNet):
         return F.linear(o, self.out_proj.weight)
 
 
-def timed(fn, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() (forward + backward) over `repeats`, after `warmup` calls."""
-    times = []
-    for i in range(warmup + repeats):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def timed(fn, repeats: int) -> float:
+    """Median milliseconds of fn() (forward + backward), the ranks starting each call together."""
+    return cuda_median_ms(fn, repeats, before=dist.barrier)
 
 
 def layer(ns) -> None:

@@ -17,23 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_model import bench_args  # noqa: E402
+from bench_model import bench_args, cuda_median_ms  # noqa: E402
 from harness.fast_adam import FastAdam  # noqa: E402
 from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
-
-
-def time_steps(optimizer: torch.optim.Optimizer, steps: int, warmup: int = 3) -> float:
-    """Median milliseconds per step (CUDA events)."""
-    times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        optimizer.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
@@ -57,7 +43,7 @@ def main() -> int:
         params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
         for p in params:
             p.grad = torch.randn_like(p)
-        results[name] = time_steps(make(params), ns.steps)
+        results[name] = cuda_median_ms(make(params).step, ns.steps)
         del params
         torch.cuda.empty_cache()
     print(f"optimizer step: {len(shapes)} fp32 parameters, {n / 1e9:.2f}B values, {torch.cuda.get_device_name()}")
