@@ -20,7 +20,7 @@ def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
     return _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu)
 
 
-@torch.compiler.disable  # one graph break under compile, not FLA's several (see gated_delta_rule.py)
+@torch.compiler.disable  # one graph break under compile, as the FLA call in gated_delta_rule.py
 def _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu):
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # lazy: needs triton and a GPU
 

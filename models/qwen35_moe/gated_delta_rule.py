@@ -32,9 +32,9 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
     return _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
 
 
-# Under torch.compile (compile.enable) the FLA call is one graph break: traced into, FLA's host-side preparation
-# (chunk indices from cu_seqlens: data-dependent shapes, its own compiler.disable) breaks the graph several times
-# and recompiles per layout; its Triton kernels gain nothing from tracing.
+# Under torch.compile (compile.enable) the FLA call is one graph break. FLA 0.6.0 marks chunk_gated_delta_rule so
+# itself; this keeps it so whatever FLA's version: traced, its host-side preparation (chunk indices from
+# cu_seqlens, data-dependent shapes) would recompile per document layout.
 @torch.compiler.disable
 def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: FLA needs triton and a GPU
