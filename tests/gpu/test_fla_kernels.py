@@ -6,9 +6,10 @@ and FLA keeps some intermediates in bf16, so results land near 5e-3 (measured on
 level with margin, while a wrong reset, decay or gradient gives O(1). The per-head self-check that guards
 FLA's Hopper bypass is tested in tests/unit/test_fla_check.py and measured by benchmarks/fla_backward_errors.py.
 
-Only bf16, at the head shapes of tests/gpu/test_model_cuda.py: FLA compiles and autotunes its kernels once per
-shape, dtype and layout (~80-100 s each on a fresh H100 / H200), which bounds what this suite can afford; the
-fp32 FLA path (training with mixed_precision_param = float32) is not covered here."""
+Only bf16, at the head shapes of tests/gpu/test_model_cuda.py: FLA compiles its kernels once per shape, dtype
+and layout (~80-100 s each on a fresh H100 / H200 when it autotunes them; a few seconds with the configs
+conftest.py pins), which bounds what this suite can afford; the fp32 FLA path (training with
+mixed_precision_param = float32) is not covered here."""
 
 import pytest
 import torch
