@@ -62,7 +62,7 @@ class Training:
     max_norm: float | None = 1.0  # gradient-norm clipping threshold (> 0); none = no clipping (norm still logged)
     seed: int = 42  # initial weights and any sampling; the same weights at every world size
     deterministic: bool = False  # deterministic algorithms (slower)
-    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"  # FSDP param/compute dtype
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (FSDP's param dtype)
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"  # FSDP gradient reduce dtype
     dataset: Literal["text", "jsonl", "parquet", "hf"] = "text"  # kind of source (see harness/data_sources.py)
     dataset_path: str = ""  # file, folder or HF dataset name, depending on `dataset`

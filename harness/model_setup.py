@@ -59,5 +59,5 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
-                "FSDP" if meshes is not None else "single process", device)
+                "FSDP" if meshes is not None and meshes.fsdp.size() > 1 else "one process, no FSDP", device)
     return model

@@ -1,7 +1,8 @@
 """Process runtime: the device, the default process group and the random seeds.
 
-A process group exists on every GPU run, even a single one (FSDP2 then gives it the same bf16 mixed precision
-as at scale), and on multi-process CPU runs; a single CPU process needs none.
+A process group exists on every GPU run, even a single one (the meshes and collectives then work as at scale;
+a one-rank mesh gets no FSDP, parallel/parallelize.py), and on multi-process CPU runs; a single CPU process
+needs none.
 """
 
 from __future__ import annotations

@@ -108,7 +108,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
     ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
     the strided layouts that checkpoints must then understand). FSDP averages their gradients over that mesh
-    only: the trainer completes the average (`scale_expert_gradients`).
+    only: the trainer completes the average (`scale_expert_gradients`). Where that mesh is one rank (ep equal to
+    dp_shard x cp, e.g. EP=2 on 2 GPUs) the experts are left out of FSDP altogether: sharding over one rank would
+    only copy them (cast, gather, split, and their gradients' concatenation) several times a step. They are cast
+    where they are used instead (models/qwen35_moe/linear.py) and their gradients need no reduction.
 
     The fp32 contract (docs/design.md): each GDN layer's SSMGate (`linear_attn._fp32_params`) and output norm
     (`linear_attn.norm`) is its own unit with an fp32 policy, so A_log, dt_bias and the norm weight are
@@ -118,14 +121,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # No cast: these units all-gather, compute and reduce in their parameters' own dtype, fp32 by contract.
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
+    unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
     for layer in model.layers.values():
+        ignored = set()
         for module in layer.modules():
             if isinstance(module, Fp32ParamsModule):
                 fully_shard(module, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+            elif isinstance(module, RoutedExperts) and unsharded_experts:
+                ignored.update(module.parameters())
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
                             reshard_after_forward=reshard_after_forward)
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
@@ -145,7 +153,11 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
                            reshard_after_forward: bool = True) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
     context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
-    group and the FSDP mesh of the experts' weights, None without expert parallelism."""
+    group and the FSDP mesh of the experts' weights, None without expert parallelism.
+
+    One rank (one GPU, or a single process) gets no FSDP: its weights stay whole fp32 parameters and, given a
+    `param_dtype`, the model computes in it (`model.compute_dtype`), casting each weight where it is used, as
+    FSDP's mixed precision would, without FSDP's copies and hooks (one GPU ran ~25 ms of a ~190 ms step in them)."""
     if cp_mesh is not None:
         apply_context_parallel(model, cp_mesh)
     if ep_mesh is not None:
@@ -153,6 +165,8 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     apply_activation_checkpointing(model, ac_mode)
     if compile:
         apply_compile(model)
-    if mesh is not None:
+    if mesh is not None and mesh.size() > 1:
         apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward)
+    else:  # one rank: nothing to shard; the fp32 weights are cast where they are used (linear.py)
+        model.compute_dtype = param_dtype
     return model

@@ -18,6 +18,7 @@ from torch import nn
 
 from .args import Qwen35MoeArgs
 from .documents import DocumentLayout, context_parallel_segments
+from .linear import Linear
 from .norms import ZeroCenteredRMSNorm
 from .rope import apply_rope, rope_cos_sin
 
@@ -113,10 +114,10 @@ class GatedAttention(nn.Module):
         self.head_dim = args.head_dim
         bias = args.attention_bias
         # q_proj yields, per head, the query followed by its output gate: (H, 2 * D).
-        self.q_proj = nn.Linear(args.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.q_proj = Linear(args.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(args.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, args.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rotary_dim, self.rope_theta = args.rotary_dim, args.rope_theta

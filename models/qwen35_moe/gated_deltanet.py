@@ -17,6 +17,7 @@ from .causal_conv import causal_conv1d
 from .documents import DocumentLayout
 from .gated_delta_net_fp32 import HOLDER_NAME, Fp32ParamsModule, at_least_fp32
 from .gated_delta_rule import gated_delta_rule
+from .linear import Linear
 from .norms import GatedRMSNorm
 
 
@@ -58,15 +59,15 @@ class CPAwareGatedDeltaNet(nn.Module):
         conv_dim = 2 * self.key_dim + self.value_dim
         dim = args.hidden_size
 
-        self.in_proj_qkv = nn.Linear(dim, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(dim, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(dim, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(dim, conv_dim, bias=False)
+        self.in_proj_z = Linear(dim, self.value_dim, bias=False)
+        self.in_proj_b = Linear(dim, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(dim, self.num_v_heads, bias=False)
         # Depthwise causal conv over q, k and v; only its weight (C, 1, W) is used, by our conv kernels.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, args.linear_conv_kernel_dim, groups=conv_dim, bias=False)
         self.register_module(HOLDER_NAME, SSMGate(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=args.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+        self.out_proj = Linear(self.value_dim, dim, bias=False)
         self._cp_mesh = None
         self._cp = None
 
@@ -96,18 +97,19 @@ class CPAwareGatedDeltaNet(nn.Module):
         if cu_seqlens is not None:
             x = x.reshape(1, batch * seq, -1)  # varlen kernels take one flattened stream
         tokens = x.shape[:2]
-        w_qkv = _rows(self.in_proj_qkv.weight, qkv_rows, groups)
-        w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups)
+        # Weights in the input's dtype (linear.py: a no-op under FSDP's bf16 policy).
+        w_qkv = _rows(self.in_proj_qkv.weight, qkv_rows, groups).to(x.dtype)
+        w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups).to(x.dtype)
         qkv = causal_conv1d(F.linear(x, w_qkv), w_conv, cu_seqlens, cu_seqlens_cpu)  # (b, t, C / groups)
         q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
-        beta = F.linear(x, _rows(self.in_proj_b.weight, [heads], groups)).sigmoid()  # (b, t, hv)
-        g = self._fp32_params(F.linear(x, _rows(self.in_proj_a.weight, [heads], groups)), heads)  # fp32
+        beta = F.linear(x, _rows(self.in_proj_b.weight, [heads], groups).to(x.dtype)).sigmoid()  # (b, t, hv)
+        g = self._fp32_params(F.linear(x, _rows(self.in_proj_a.weight, [heads], groups).to(x.dtype)), heads)  # fp32
 
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
-        z = F.linear(x, _rows(self.in_proj_z.weight, [values], groups)).reshape(*tokens, hv, dv)
+        z = F.linear(x, _rows(self.in_proj_z.weight, [values], groups).to(x.dtype)).reshape(*tokens, hv, dv)
         o = self.norm(o, z).reshape(batch, seq, hv * dv)
-        return F.linear(o, _columns(self.out_proj.weight, values, groups))
+        return F.linear(o, _columns(self.out_proj.weight, values, groups).to(o.dtype))
 
 
 def _shift(s: slice, offset: int) -> slice:

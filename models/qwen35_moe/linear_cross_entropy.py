@@ -2,7 +2,7 @@
 
 With a 248,320-token vocabulary the logits dominate a long row's memory: (tokens x vocab) in bf16, their fp32
 copy and its gradient are about 10 bytes x 248,320 = 2.4 MiB per token, 38 GiB for 16k tokens. Here each chunk
-of tokens computes its logits (in the weight's dtype, upcast to fp32 as the plain path does), its summed cross
+of tokens computes its logits (in the hidden states' dtype, upcast to fp32 as the plain path does), its summed cross
 entropy and at once its gradients with respect to the hidden states and the weight; only those gradients are
 kept for backward, in fp32 (tokens x hidden, and the weight's shape accumulated over the chunks), so peak memory
 is one chunk's logits. No recompute: the backward only scales the stored gradients.
@@ -67,6 +67,10 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk: int):
+        # The weight's gradient is returned in the weight's own dtype, so an fp32 weight cast here (one GPU without
+        # FSDP, linear.py) gets its fp32 gradient without a rounding to h's dtype on the way.
+        ctx.dtypes = h.dtype, weight.dtype
+        weight = weight.to(h.dtype)
         acc = at_least_fp32(h.dtype)
         total = torch.zeros((), dtype=acc, device=h.device)
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
@@ -79,7 +83,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             _matmul_into(grad_h[start:start + chunk], dlogits, weight, accumulate=False)
             _matmul_into(grad_w, dlogits.t(), hs, accumulate=start > 0)
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = h.dtype, weight.dtype
         return total
 
     @staticmethod
@@ -93,11 +96,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              chunk_tokens: int = 1024) -> torch.Tensor:
     """sum over tokens of cross_entropy(h @ weight.T, labels), labels == -100 ignored; h (N, D), weight (V, D),
-    labels (N,). Returns an fp32 scalar (fp64 for fp64 inputs). chunk_tokens <= 0: all tokens in one chunk."""
+    labels (N,). Returns an fp32 scalar (fp64 for fp64 inputs). chunk_tokens <= 0: all tokens in one chunk. The
+    logits are computed in h's dtype (the weight is cast to it)."""
     chunk = chunk_tokens if chunk_tokens > 0 else max(h.shape[0], 1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h, weight, labels, chunk)
     total = torch.zeros((), dtype=at_least_fp32(h.dtype), device=h.device)
     for start in range(0, h.shape[0], chunk):
-        total += _chunk_loss(h[start:start + chunk], weight, labels[start:start + chunk], want_grads=False)[0]
+        total += _chunk_loss(h[start:start + chunk], weight.to(h.dtype), labels[start:start + chunk], want_grads=False)[0]
     return total

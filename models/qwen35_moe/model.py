@@ -19,6 +19,7 @@ from torch import nn
 from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, context_parallel_layout, document_layout
+from .linear import Linear
 from .linear_cross_entropy import linear_cross_entropy_sum
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .init import init_weights
@@ -73,10 +74,14 @@ class Qwen35MoeModel(nn.Module):
         # A dict keyed by layer index keeps checkpoint keys stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, t) for i, t in enumerate(args.layer_types)})
         self.norm = ZeroCenteredRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._cp = None  # context parallelism's exchanges, attached by the parallelize function
+        # The dtype the blocks compute in when the weights are not already in it (one GPU without FSDP, set by
+        # the parallelize function): the embedding's output is cast to it, and every module follows its input
+        # (linear.py). None: the embedding weight's dtype.
+        self.compute_dtype: torch.dtype | None = None
 
     def init_weights(self, seed: int = 0) -> None:
         """HF-like init (rules in init.py), drawn per parameter from (seed, name): the same weights for the
@@ -107,7 +112,9 @@ class Qwen35MoeModel(nn.Module):
             whole = self._cp.gather_positions(position_ids)
             layout = context_parallel_layout(position_ids, whole, self._cp.token_index(whole.shape[1], whole.device))
 
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids)  # rows looked up, then cast: the table's gradient is summed in its own dtype
+        if self.compute_dtype is not None:
+            h = h.to(self.compute_dtype)
         counts, prob_sums = [], []
         for layer in self.layers.values():
             h, layer_counts, layer_prob_sums = layer(h, layout)

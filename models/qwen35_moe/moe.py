@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .args import Qwen35MoeArgs
+from .linear import Linear
 
 
 class FeedForward(nn.Module):
@@ -17,9 +18,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden_dim, bias=False)
+        self.up_proj = Linear(dim, hidden_dim, bias=False)
+        self.down_proj = Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -35,7 +36,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, D) -> probs (N, E) fp32, top-k weights (N, k) fp32, top-k expert ids (N, k)."""
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight.to(x.dtype))
         probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # float64 stays
         weights, ids = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -120,13 +121,14 @@ class RoutedExperts(nn.Module):
             return self._grouped_mm(x, counts)
         return self._loop(x, counts)
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's experts' weights (the local shard under expert parallelism)."""
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts' weights (the local shard under expert parallelism) in the compute dtype."""
+        return tuple((w.to_local() if isinstance(w, DTensor) else w).to(dtype)
+                     for w in (self.gate_up_proj, self.down_proj))
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.
-        gate_up_proj, down_proj = self._weights()
+        gate_up_proj, down_proj = self._weights(x.dtype)
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
@@ -136,7 +138,7 @@ class RoutedExperts(nn.Module):
         # Reference path (CPU, fp32): one matmul pair per expert, also for one without tokens, so that x and every
         # weight stay in the graph; under expert parallelism a rank may receive no tokens at all and must still
         # run the exchange's backward (a collective) with the others.
-        gate_up_proj, down_proj = self._weights()
+        gate_up_proj, down_proj = self._weights(x.dtype)
         outputs = []
         for e, rows in enumerate(x.split(counts.tolist())):
             gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
@@ -152,7 +154,7 @@ class SparseMoE(nn.Module):
         self.gate = TopKRouter(args.hidden_size, args.num_experts, args.num_experts_per_tok)
         self.experts = RoutedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
         self.shared_expert = FeedForward(args.hidden_size, args.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
         # Expert parallelism's token exchange (parallel/expert_parallel.py), attached by the parallelize function:
         # then `experts` holds this rank's share of the experts and the other ranks' tokens come to them.
         self._ep = None

@@ -24,7 +24,8 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _rms_normalize(x, self.eps)
-        return (y * (1.0 + self.weight.to(y.dtype))).type_as(x)
+        # The weight rounded to x's dtype first, as FSDP's bf16 policy gathers it (linear.py's rule).
+        return (y * (1.0 + self.weight.to(x.dtype).to(y.dtype))).type_as(x)
 
 
 class GatedRMSNorm(Fp32ParamsModule):

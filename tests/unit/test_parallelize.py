@@ -109,3 +109,44 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad.full_tensor(), dict(plain.named_parameters())[name].grad,
                                    rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_mesh):
+    """One GPU runs without FSDP (parallelize with no mesh and a param_dtype): fp32 weights cast where they are
+    used. Reference: FSDP2's bf16 mixed precision on a one-rank mesh, which the trainer used before. Same bf16
+    values in the same ops, so the loss and every block's gradient are bitwise FSDP's; the embedding's and
+    lm_head's gradients only differ in rounding: without FSDP they are summed in fp32 (the table's scatter-add,
+    the cross entropy's fp32 product) instead of being rounded to bf16 on the way."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel.parallelize import apply_fsdp, parallelize_qwen35_moe
+
+    plain = _model()
+    fsdp, ours = copy.deepcopy(plain), copy.deepcopy(plain)
+    apply_fsdp(fsdp, one_rank_mesh, torch.bfloat16, torch.float32)
+    parallelize_qwen35_moe(ours, None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="none",
+                           compile=False)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 512, (2, 64), generator=gen)
+    positions = torch.cat((torch.arange(40), torch.arange(24))).expand(2, 64)  # packed documents
+
+    def loss_and_grads(model):
+        out = model(ids, positions, labels=ids.roll(-1, dims=1), loss_chunk_tokens=48)
+        loss = out.ce_sum / ids.numel() + 0.01 * out.aux_loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+        return loss, grads
+
+    ref_loss, ref_grads = loss_and_grads(fsdp)
+    loss, grads = loss_and_grads(ours)
+    assert all(p.dtype == torch.float32 and not isinstance(p, DTensor) for p in ours.parameters())
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+    assert torch.equal(loss, ref_loss), (loss.item(), ref_loss.item())
+    summed_in_fp32 = ("embed_tokens.weight", "lm_head.weight")
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32, name
+        if name in summed_in_fp32:
+            rel = ((grad - ref_grads[name]).norm() / ref_grads[name].norm()).item()
+            assert 0 < rel < 1e-2, (name, rel)
+        else:
+            assert torch.equal(grad, ref_grads[name]), name
