@@ -13,6 +13,10 @@ nothing of our packing). Ours runs `harness.train` on `train_configs/qwen35_moe.
 (fp32 master weights, bf16 compute, chunked cross entropy) and any trainer overrides given after `--`.
 
 Prints tokens/s per GPU, MFU and peak memory of each (medians over the steps after warm-up) and the ratio.
+`--variant "OVERRIDES"` (repeatable) runs ours again with those overrides added, in the same process, each
+against the same baseline run, e.g. the activation checkpointing modes:
+
+    python benchmarks/hf_baseline.py --variant "--activation_checkpoint.mode full" -- --compile.enable true
 `--flavor debugmodel` runs the same on CPU in seconds (a check of the script, not a benchmark).
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -72,7 +77,7 @@ def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device,
         if i >= warmup:
             rates.append(ids.numel() / (time.perf_counter() - start))
     result = {"tokens_per_sec": statistics.median(rates), "max_memory_gib": max_memory_gib(device),
-              "final_loss": loss.item()}
+              "final_loss": loss.item(), "rates": rates}
     del model, optimizer
     gc.collect()
     if device.type == "cuda":
@@ -81,10 +86,19 @@ def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device,
     return result
 
 
-def run_ours(argv: list[str], metrics: Path, warmup: int) -> dict:
+def run_ours(argv: list[str], warmup: int) -> dict:
     if train_main(argv) != 0:
         raise SystemExit("our trainer failed")
-    return run_figures(metrics, warmup)
+    # A --job.dump_folder given in the overrides wins over the script's.
+    result = run_figures(Path(load_config(argv).job.dump_folder) / "metrics.jsonl", warmup)
+    # The next run starts clean: its own compile (a new model would otherwise count towards the recompile limit
+    # of the same code) and its own memory peak.
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return result
 
 
 def main() -> int:
@@ -94,6 +108,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures")
     parser.add_argument("--flavor", default="35B-A3B", help="layer widths (debugmodel: a quick check on CPU)")
+    parser.add_argument("--variant", action="append", default=[], metavar="OVERRIDES",
+                        help="run ours again with these overrides added (repeatable)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
     ns = parser.parse_args()
     args = bench_args(ns.layers, ns.experts, ns.flavor)
@@ -113,17 +129,22 @@ def main() -> int:
     batches = [batch for _, batch in zip(range(ns.steps), loader)]
 
     baseline = run_baseline(args, batches, device, ns.warmup)
-    ours = run_ours(argv, Path(cfg.job.dump_folder) / "metrics.jsonl", ns.warmup)  # a --job.dump_folder given wins
+    runs = [("ours", run_ours(argv, ns.warmup))]
+    for i, variant in enumerate(ns.variant, 1):
+        extra = ["--job.dump_folder", f"{cfg.job.dump_folder}-variant{i}", *shlex.split(variant)]
+        runs.append((f"ours {variant}", run_ours([*argv, *extra], ns.warmup)))
     # Both are credited with the same useful work: attention within documents (the baseline attends across them).
     attended = sum(mean_attended_keys(b["position_ids"]) for b in batches) / len(batches)
     flops, peak = training_flops_per_token(args, attended), peak_flops(device)
     print(f"baseline vs ours: {ns.flavor} widths, {ns.layers} layers, {ns.experts} experts, seq {t.seq_len}, "
           f"local batch {t.local_batch_size}, {ns.steps} steps (first {ns.warmup} not timed), {device}")
-    for name, r in (("transformers loop", baseline), ("ours", ours)):
+    for name, r in (("transformers loop", baseline), *runs):
         mfu = f"{r['tokens_per_sec'] * flops / peak:.1%}" if peak else "n/a"
         print(f"  {name:18s} {r['tokens_per_sec']:>10,.0f} tok/s  MFU {mfu:>6s}  peak {r['max_memory_gib']:.1f} GiB  "
               f"final loss {r['final_loss']:.3f}")
-    print(f"  ratio (ours / transformers): {ours['tokens_per_sec'] / baseline['tokens_per_sec']:.2f}x")
+    for name, r in runs:
+        print(f"  ratio ({name} / transformers): {r['tokens_per_sec'] / baseline['tokens_per_sec']:.2f}x")
+    print("  transformers loop, tok/s per timed step:", " ".join(f"{rate:,.0f}" for rate in baseline["rates"]))
     return 0
 
 
