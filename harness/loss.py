@@ -31,11 +31,24 @@ def global_label_tokens(microbatches: list[dict[str, torch.Tensor]], device: tor
     return count.clamp_min(1)
 
 
-def balance_loss_share(stats: RouterStats, distributed: bool) -> torch.Tensor:
-    """This rank's share of the balance loss of the micro-batch pooled over all ranks."""
+def balance_loss_share(stats: RouterStats, distributed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the balance loss of the micro-batch pooled over all ranks, and the pooled counts
+    (layers, experts)."""
     if not distributed:
-        return load_balancing_loss(stats)
+        return load_balancing_loss(stats), stats.counts
     counts = stats.counts.clone()
     dist.all_reduce(counts)
     # Every rank routes the same number of tokens per micro-batch (fixed local batch and sequence length).
-    return load_balancing_loss(stats, pooled_counts=counts, pooled_tokens=stats.num_tokens * dist.get_world_size())
+    share = load_balancing_loss(stats, pooled_counts=counts, pooled_tokens=stats.num_tokens * dist.get_world_size())
+    return share, counts
+
+
+def routing_loads(counts: torch.Tensor, ep: int) -> torch.Tensor:
+    """counts (layers, experts): top-k assignments per expert, pooled over a step's ranks and micro-batches ->
+    (2,): the busiest expert's tokens and the busiest EP rank's tokens (ep ranks holding consecutive equal shares of
+    the experts), each over an even split's, the largest over the layers. 1 is perfectly balanced; under expert
+    parallelism the busiest rank sets the pace of every MoE layer (a single rank: 1)."""
+    layers, experts = counts.shape
+    even = counts.sum(-1, keepdim=True).clamp_min(1) / experts
+    per_rank = counts.view(layers, ep, experts // ep).sum(-1)
+    return torch.stack(((counts / even).amax(), (per_rank / (even * (experts // ep))).amax()))

@@ -153,9 +153,12 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total_steps - step) if done else float("nan")
         mfu = metrics.get("mfu")
+        loads = "".join(f"{label} {metrics[key]:.2f}  " for key, label in (("expert_load", "load"),
+                                                                          ("ep_rank_load", "ep_load"))
+                        if key in metrics)
         line = (
             f"{self.prefix}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {metrics['loss']:.4f}  "
-            f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['lr']:.2e}  "
+            f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['lr']:.2e}  {loads}"
             f"tok/s {metrics['tokens_per_sec']:,.0f}  mfu {'n/a' if mfu is None else f'{mfu:.1%}'}  "
             f"mem {metrics['max_memory_gib']:.2f}GiB  eta {_duration(eta) if done else '?'}"
         )

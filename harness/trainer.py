@@ -29,7 +29,7 @@ from .checkpoint import Checkpointer, latest_complete_step
 from .hf_weights import export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data import build_dataloader
-from .loss import balance_loss_share, global_label_tokens
+from .loss import balance_loss_share, global_label_tokens, routing_loads
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, max_memory_gib, mean_attended_keys, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args
@@ -102,7 +102,7 @@ class Trainer:
                                      resume_step=self.step if resume_step is not None else None, tb_run=tb_run)
         self.peak_flops = peak_flops(self.device)
         self.last: dict[str, float] = {}
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, unread (loss, aux_loss, grad_norm)) since the last read
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, its unread `_step` values) since the last read
         self.started = time.perf_counter()
         if self.rank == 0:
             self._save_config()
@@ -143,18 +143,21 @@ class Trainer:
         return self._read([(self.step, self._step(microbatches))])
 
     def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step; returns (loss, aux_loss, grad_norm) on the device, unread: reading them is a host
-        sync, done every metrics.log_freq steps and before any save (`_read`)."""
+        """One optimizer step; returns (loss, aux_loss, grad_norm, expert_load, ep_rank_load) on the device,
+        unread: reading them is a host sync, done every metrics.log_freq steps and before any save (`_read`)."""
         self.optimizer.zero_grad(set_to_none=True)
         distributed = self.meshes is not None
         inputs = [self.model_inputs(mb) for mb in microbatches]
         n_tokens = global_label_tokens(inputs, self.device, distributed)
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
+        step_counts = 0
         for mb in inputs:
             out = self.model(**mb)
             ce = out.ce_sum / n_tokens  # this micro-batch's share of the global token-mean cross entropy
-            aux = balance_loss_share(out.router_stats, distributed) / len(microbatches)
+            aux, pooled_counts = balance_loss_share(out.router_stats, distributed)
+            aux = aux / len(microbatches)
+            step_counts = step_counts + pooled_counts
             # Shares of the global loss; FSDP averages gradients over all ranks (dp_replicate x dp_shard x cp), so
             # scale by their number to get the gradient of the global loss (the sum of the shares').
             ((ce + self.aux_loss_coef * aux) * self.dims.world_size).backward()
@@ -173,7 +176,8 @@ class Trainer:
         # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.
         self.optimizer.step()
         self.lr_scheduler.step()
-        return torch.cat((losses, grad_norm.reshape(1).to(losses.dtype)))
+        loads = routing_loads(step_counts, self.dims.ep).to(losses.dtype)
+        return torch.cat((losses, grad_norm.reshape(1).to(losses.dtype), loads))
 
     def read_pending(self) -> dict[str, float]:
         """Read the steps run since the last read (see `_read`); returns the last step's values."""
@@ -182,16 +186,19 @@ class Trainer:
         return self.last
 
     def _read(self, pending: list[tuple[int, torch.Tensor]]) -> dict[str, float]:
-        """Read the unread steps' (loss, aux_loss, grad_norm) in one host sync; raise at the first non-finite
+        """Read the unread steps' values (`_step`) in one host sync; raise at the first non-finite
         one. Returns the last step's values."""
         values = torch.stack([v for _, v in pending]).tolist()
-        for (step, _), (loss, aux_loss, grad_norm) in zip(pending, values):
+        for (step, _), (loss, aux_loss, grad_norm, *_) in zip(pending, values):
             if not math.isfinite(loss) or not math.isfinite(grad_norm):
                 raise TrainingDivergedError(
                     f"step {step}: loss is {loss}, grad norm {grad_norm}; stopping without saving "
                     f"this step. Lower optimizer.lr or check the data.")
-        loss, aux_loss, grad_norm = values[-1]
-        return {"loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm}
+        loss, aux_loss, grad_norm, expert_load, ep_rank_load = values[-1]
+        read = {"loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm, "expert_load": expert_load}
+        if self.dims.ep > 1:
+            read["ep_rank_load"] = ep_rank_load
+        return read
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg

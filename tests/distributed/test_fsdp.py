@@ -84,7 +84,11 @@ def test_expert_parallel_matches_single_process(single_skewed, name):
     assert torch.count_nonzero(unused) == 0  # the routing is as unbalanced as intended
     nproc, layout = EP_LAYOUTS[name]
     run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), SKEWED, *layout], tmp)
-    assert_same_step(torch.load(tmp / f"{name}.pt"), ref)
+    got = torch.load(tmp / f"{name}.pt")
+    assert_same_step(got, ref)
+    # The busiest EP rank's tokens over an even split's; under EP=4 rank 0 gets none, so another gets >= 1/3.
+    ep = int(layout[layout.index(EP) + 1])
+    assert (4 / 3 if ep == 4 else 1.0) - 1e-9 <= got["out"]["ep_rank_load"] <= ep
 
 
 def assert_same_step(got: dict, ref: dict) -> None:
@@ -97,7 +101,8 @@ def assert_same_step(got: dict, ref: dict) -> None:
     # fp32 parts (cross entropy, router softmax, RoPE angles) are per token, so identical in every layout.
     assert got["validation"]["val_tokens"] == ref["validation"]["val_tokens"]
     assert got["validation"]["val_loss"] == pytest.approx(ref["validation"]["val_loss"], rel=1e-6)
-    for key in ("loss", "aux_loss", "grad_norm"):
+    # expert_load: the step's routing counts pooled over the ranks against the one process's own.
+    for key in ("loss", "aux_loss", "grad_norm", "expert_load"):
         assert got["out"][key] == pytest.approx(ref["out"][key], rel=1e-5), key
     assert ref["out"]["aux_loss"] > 1.0  # the balance loss was on (a uniform router gives top_k = 2)
     for key, want in ref["grads"].items():

@@ -34,8 +34,11 @@ def test_smoke_run_loss_falls_and_metrics_have_the_keys(tmp_path, capsys):
     assert "[smoke] step 20/20" in capsys.readouterr().out  # job.name labels the console lines
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 21))
-    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "max_memory_gib"):
+    for key in ("step", "loss", "grad_norm", "expert_load", "lr", "tokens_per_sec", "mfu", "max_memory_gib"):
         assert key in rows[0], key
+    assert "ep_rank_load" not in rows[0]  # only under expert parallelism
+    # The busiest of the debug model's 8 experts, against an even split: at least 1, at most 8 (all on one).
+    assert all(1.0 <= r["expert_load"] <= 8.0 for r in rows)
     assert rows[0]["mfu"] is None  # CPU: no peak to divide by
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "tb").glob("*/*"))
