@@ -104,7 +104,8 @@ class CPAwareGatedDeltaNet(nn.Module):
         q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
         beta = F.linear(x, _rows(self.in_proj_b.weight, [heads], groups).to(x.dtype)).sigmoid()  # (b, t, hv)
-        g = self._fp32_params(F.linear(x, _rows(self.in_proj_a.weight, [heads], groups).to(x.dtype)), heads)  # fp32
+        a = F.linear(x, _rows(self.in_proj_a.weight, [heads], groups).to(x.dtype))
+        g = self._fp32_params(a, heads)  # fp32
 
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
         z = F.linear(x, _rows(self.in_proj_z.weight, [values], groups).to(x.dtype)).reshape(*tokens, hv, dv)

@@ -2,10 +2,10 @@
 
 With a 248,320-token vocabulary the logits dominate a long row's memory: (tokens x vocab) in bf16, their fp32
 copy and its gradient are about 10 bytes x 248,320 = 2.4 MiB per token, 38 GiB for 16k tokens. Here each chunk
-of tokens computes its logits (in the hidden states' dtype, upcast to fp32 as the plain path does), its summed cross
-entropy and at once its gradients with respect to the hidden states and the weight; only those gradients are
-kept for backward, in fp32 (tokens x hidden, and the weight's shape accumulated over the chunks), so peak memory
-is one chunk's logits. No recompute: the backward only scales the stored gradients.
+of tokens computes its logits (in the hidden states' dtype, upcast to fp32 as the plain path does), its summed
+cross entropy and at once its gradients with respect to the hidden states and the weight; only those gradients
+are kept for backward, in fp32 (tokens x hidden, and the weight's shape accumulated over the chunks), so peak
+memory is one chunk's logits. No recompute: the backward only scales the stored gradients.
 
 On CUDA with half-precision logits a chunk's loss and logits' gradient come from one Triton kernel
 (cross_entropy_kernel.py: the same fp32 math per element, the gradient written in place of the bf16 logits, no
@@ -102,6 +102,7 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h, weight, labels, chunk)
     total = torch.zeros((), dtype=at_least_fp32(h.dtype), device=h.device)
+    weight = weight.to(h.dtype)
     for start in range(0, h.shape[0], chunk):
-        total += _chunk_loss(h[start:start + chunk], weight.to(h.dtype), labels[start:start + chunk], want_grads=False)[0]
+        total += _chunk_loss(h[start:start + chunk], weight, labels[start:start + chunk], want_grads=False)[0]
     return total

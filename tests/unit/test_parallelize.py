@@ -134,8 +134,8 @@ def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_me
         out = model(ids, positions, labels=ids.roll(-1, dims=1), loss_chunk_tokens=48)
         loss = out.ce_sum / ids.numel() + 0.01 * out.aux_loss
         loss.backward()
-        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
-        return loss, grads
+        full = lambda g: g.full_tensor() if isinstance(g, DTensor) else g  # noqa: E731
+        return loss, {n: full(p.grad) for n, p in model.named_parameters()}
 
     ref_loss, ref_grads = loss_and_grads(fsdp)
     loss, grads = loss_and_grads(ours)
