@@ -151,7 +151,8 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     # torch.compile each transformer block (1.25-1.3x on one H200, README "Speed"); a run compiles in its first
-    # steps, then never again. Off by default until it has run under EP and CP on several GPUs.
+    # steps, then never again. Off by default: not yet run under CP on GPUs, and slower than eager with FSDP=2 and
+    # full AC in the one 2-GPU measurement (README "Experts").
     enable: bool = False
 
 

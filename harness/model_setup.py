@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
@@ -59,5 +60,5 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
-                "FSDP" if meshes is not None and meshes.fsdp.size() > 1 else "one process, no FSDP", device)
+                "FSDP" if isinstance(model, FSDPModule) else "one process, no FSDP", device)
     return model
