@@ -1,6 +1,6 @@
-"""Applies context and expert parallelism, activation checkpointing, compile and FSDP2 to a Qwen3.5-MoE model, in
+"""Applies context and expert parallelism, compile, activation checkpointing and FSDP2 to a Qwen3.5-MoE model, in
 that fixed order (CP only attaches its exchanges to the mixers, EP shards the experts' weights over its mesh and
-attaches its exchange to the MoE layers; AC and compile wrap each block before FSDP groups the blocks'
+attaches its exchange to the MoE layers; compile, then AC, wrap each block before FSDP groups the blocks'
 parameters)."""
 
 from __future__ import annotations
@@ -162,9 +162,13 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
         apply_context_parallel(model, cp_mesh)
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh)
-    apply_activation_checkpointing(model, ac_mode)
+    # Compile first, then checkpoint the compiled block: compile over a checkpointed block would have to trace the
+    # checkpoint whole, and a block with graph breaks (FLA's kernels, EP's exchange) cannot be; dynamo then runs
+    # the whole block eagerly, in the forward and in the recompute (on one H200 that made full AC cost a third
+    # of the speed).
     if compile:
         apply_compile(model)
+    apply_activation_checkpointing(model, ac_mode)
     if mesh is not None and mesh.size() > 1:
         apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward)
     else:  # one rank: nothing to shard; the fp32 weights are cast where they are used (linear.py)

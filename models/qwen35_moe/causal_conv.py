@@ -7,6 +7,8 @@ CUDA tensors -> FLA's kernel; anything else -> `torch_causal_conv1d`.
 import torch
 import torch.nn.functional as F
 
+from .fla_varlen import uploaded_chunk_indices
+
 
 def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
     """x (B, T, D); weight (D, W) (HF's conv1d.weight (D, 1, W) squeezed); cu_seqlens int [N+1] (needs B == 1),
@@ -24,12 +26,16 @@ def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
 def _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu):
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # lazy: needs triton and a GPU
 
+    chunk_indices = None
     if cu_seqlens is not None:
         if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
             cu_seqlens_cpu = cu_seqlens
         dtype = cu_seqlens.dtype if cu_seqlens.dtype in (torch.int32, torch.int64) else torch.int64
         cu_seqlens = cu_seqlens.to(device=x.device, dtype=dtype)
-    y, _ = fla_causal_conv1d(x, weight, activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        if cu_seqlens_cpu is not None:
+            chunk_indices = uploaded_chunk_indices(cu_seqlens_cpu, cu_seqlens)
+    y, _ = fla_causal_conv1d(x, weight, activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                             chunk_indices=chunk_indices)
     return y.to(x.dtype)
 
 

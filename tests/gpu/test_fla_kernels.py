@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from models.qwen35_moe.causal_conv import causal_conv1d, torch_causal_conv1d
+from models.qwen35_moe.fla_varlen import fla_chunk_indices
 from models.qwen35_moe.gated_delta_rule import (
     enable_fla_hopper_backward,
     gated_delta_rule,
@@ -63,6 +64,31 @@ def test_fla_gated_delta_rule_matches_torch_reference(layout):
     assert actual[0].dtype == dtype
     errors = {n: relative_error(a, e) for n, a, e in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], actual, expected)}
     assert max(errors.values()) < REL_TOL, errors
+
+
+@pytest.mark.parametrize("cu_seqlens", [CU_SEQLENS, [0, 1, 64, 65, 193, 256], [0, 4096]])
+def test_our_chunk_index_is_flas(cu_seqlens):
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    want = prepare_chunk_indices(torch.tensor(cu_seqlens, device="cuda"), 64)
+    assert torch.equal(fla_chunk_indices(torch.tensor(cu_seqlens)), want.cpu())
+
+
+def test_fla_kernels_with_our_host_chunk_index_are_bitwise_flas_own():
+    """cu_seqlens_cpu given: FLA runs on the chunk index we upload without a host sync (the trainer's path)."""
+    enable_fla_hopper_backward(HK, HV, DK, DV, "cuda")
+    inputs = gdn_inputs(1, CU_SEQLENS[-1], torch.bfloat16)
+    do = torch.randn(1, CU_SEQLENS[-1], HV, DV, device="cuda")
+    host = torch.tensor(CU_SEQLENS, dtype=torch.int32)
+    ours = output_and_grads(gated_delta_rule, inputs, do, cu_seqlens=host.cuda(), cu_seqlens_cpu=host)
+    flas = output_and_grads(gated_delta_rule, inputs, do, cu_seqlens=host.cuda())
+    x = torch.randn(1, CU_SEQLENS[-1], 256, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(256, 4, device="cuda") / 2).to(torch.bfloat16)
+    dy = torch.randn_like(x)
+    ours += output_and_grads(causal_conv1d, [x, w], dy, cu_seqlens=host.cuda(), cu_seqlens_cpu=host)
+    flas += output_and_grads(causal_conv1d, [x, w], dy, cu_seqlens=host.cuda())
+    for a, b in zip(ours, flas, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_fla_causal_conv_matches_torch_reference():

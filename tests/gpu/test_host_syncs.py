@@ -1,10 +1,9 @@
 """A training forward and backward on CUDA makes the host wait for the GPU nowhere in our code: with the batch's
 document layout derived on the host (as the trainer does), torch's sync debug mode reports every synchronizing
 call (`.item()`, data-dependent output sizes like bincount or nonzero, blocking copies) in the model, the MoE
-dispatch, the varlen attention and the chunked cross entropy. FLA 0.6 itself syncs in its varlen path: it
-uploads the chunk index it derives from the host `cu_seqlens` with a blocking copy
-(`fla/ops/utils/index.py`, `prepare_chunk_indices`), cached across the layers of a step. Those are allowed,
-nothing else."""
+dispatch, the varlen attention, FLA's kernels and the chunked cross entropy. (Left to itself, FLA 0.6 uploads
+the chunk index it derives from the host `cu_seqlens` with a blocking copy, once per step: we hand it the index,
+built on the host and copied from pinned memory, `gated_delta_rule._uploaded_chunk_indices`.)"""
 
 from __future__ import annotations
 
@@ -43,6 +42,4 @@ def test_forward_and_backward_make_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
-    ours = [where for where in syncs if "/fla/" not in where]
-    assert not ours, f"host syncs outside FLA: {ours}"
-    assert len(syncs) <= 4, syncs  # FLA's chunk-index uploads: a few per step, not one per layer
+    assert not syncs, f"host syncs: {syncs}"
