@@ -144,15 +144,15 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     # "full": recompute every block in backward; "selective": keep matmul, attention and collective outputs,
-    # recompute the elementwise work between them (less memory than none, less recompute than full)
+    # recompute the elementwise work between them (less memory than none, less recompute than full; with
+    # compile.enable it recomputes the compiled graphs whole and is slower than full, README "Speed")
     mode: Literal["none", "full", "selective"] = "none"
 
 
 @dataclass
 class Compile:
-    # torch.compile each transformer block (1.25-1.3x on one H200, README "Speed"); a run compiles in its first
-    # steps, then never again. Off by default: not yet run under CP on GPUs, and slower than eager with FSDP=2 and
-    # full AC in the one 2-GPU measurement (README "Experts").
+    # torch.compile each transformer block (1.25-1.4x on one H200, README "Speed"); a run compiles in its first
+    # steps, then never again. Off by default: not yet run under CP on GPUs.
     enable: bool = False
 
 
