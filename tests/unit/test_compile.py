@@ -115,3 +115,17 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
         tol = fp32_grad_tolerance(name)
         torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol * 1e-2, msg=name)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("ac_mode", ["full", "selective"])
+def test_selective_checkpointing_with_compile_warns_that_full_is_faster(caplog, ac_mode):
+    from harness.config import load_config
+    from harness.model_setup import build_model, build_model_args
+
+    cfg = load_config(["--config", "train_configs/debug_model.toml", "--compile.enable", "true",
+                       "--activation_checkpoint.mode", ac_mode])
+    with caplog.at_level("WARNING", logger="harness.model_setup"):
+        build_model(cfg, build_model_args(cfg, 0), None, torch.device("cpu"), load_hf=False)
+    warned = any("selective with compile.enable" in r.getMessage() for r in caplog.records)
+    assert warned == (ac_mode == "selective")
+    torch._dynamo.reset()
