@@ -7,7 +7,7 @@ CUDA tensors -> FLA's kernel; anything else -> `torch_causal_conv1d`.
 import torch
 import torch.nn.functional as F
 
-from .fla_varlen import uploaded_chunk_indices
+from .fla_varlen import fla_varlen_args
 
 
 def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
@@ -26,16 +26,7 @@ def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
 def _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu):
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # lazy: needs triton and a GPU
 
-    chunk_indices = None
-    if cu_seqlens is not None:
-        if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
-            cu_seqlens_cpu = cu_seqlens
-        dtype = cu_seqlens.dtype if cu_seqlens.dtype in (torch.int32, torch.int64) else torch.int64
-        cu_seqlens = cu_seqlens.to(device=x.device, dtype=dtype)
-        if cu_seqlens_cpu is not None:
-            chunk_indices = uploaded_chunk_indices(cu_seqlens_cpu, cu_seqlens)
-    y, _ = fla_causal_conv1d(x, weight, activation="silu", cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                             chunk_indices=chunk_indices)
+    y, _ = fla_causal_conv1d(x, weight, activation="silu", **fla_varlen_args(cu_seqlens, cu_seqlens_cpu, x.device))
     return y.to(x.dtype)
 
 

@@ -1,4 +1,5 @@
-"""FLA's varlen chunk index, built on the host and handed to FLA's kernels (Gated DeltaNet, causal conv).
+"""FLA's varlen arguments for its kernels (Gated DeltaNet, causal conv): cu_seqlens, its host copy, and the chunk
+index, built on the host.
 
 FLA's varlen kernels take, besides cu_seqlens, a chunk index: one row (document, chunk within the document) per
 64-token chunk (fla.ops.utils.index.prepare_chunk_indices). Left to FLA, it is built from the host copy of
@@ -37,3 +38,18 @@ def uploaded_chunk_indices(cu_seqlens_cpu: torch.Tensor, cu_seqlens: torch.Tenso
         uploaded = to_device(fla_chunk_indices(cu_seqlens_cpu).to(cu_seqlens.dtype), cu_seqlens.device)
         _last = (cu_seqlens_cpu, uploaded)
     return uploaded
+
+
+def fla_varlen_args(cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
+                    device: torch.device) -> dict:
+    """The keyword arguments FLA's varlen kernels take: cu_seqlens on `device` (FLA indexes with int32 or int64),
+    a host copy (spares FLA a device-to-host sync; cu_seqlens itself when it is on the host) and the chunk index
+    uploaded from it."""
+    if cu_seqlens is None:
+        return {"cu_seqlens": None, "cu_seqlens_cpu": cu_seqlens_cpu, "chunk_indices": None}
+    if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
+        cu_seqlens_cpu = cu_seqlens
+    dtype = cu_seqlens.dtype if cu_seqlens.dtype in (torch.int32, torch.int64) else torch.int64
+    cu_seqlens = cu_seqlens.to(device=device, dtype=dtype)
+    chunk_indices = None if cu_seqlens_cpu is None else uploaded_chunk_indices(cu_seqlens_cpu, cu_seqlens)
+    return {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu, "chunk_indices": chunk_indices}

@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .fla_varlen import uploaded_chunk_indices
+from .fla_varlen import fla_varlen_args
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +41,8 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
 def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: FLA needs triton and a GPU
 
-    chunk_indices = None
-    if cu_seqlens is not None:
-        # FLA indexes with int32 or int64 cu_seqlens on the GPU; a CPU copy spares it a device->host sync.
-        if cu_seqlens_cpu is None and cu_seqlens.device.type == "cpu":
-            cu_seqlens_cpu = cu_seqlens
-        dtype = cu_seqlens.dtype if cu_seqlens.dtype in (torch.int32, torch.int64) else torch.int64
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=dtype)
-        if cu_seqlens_cpu is not None:
-            chunk_indices = uploaded_chunk_indices(cu_seqlens_cpu, cu_seqlens)
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-                                  cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                  **fla_varlen_args(cu_seqlens, cu_seqlens_cpu, q.device))
     return o.to(v.dtype)
 
 

@@ -3,7 +3,7 @@ document layout derived on the host (as the trainer does), torch's sync debug mo
 call (`.item()`, data-dependent output sizes like bincount or nonzero, blocking copies) in the model, the MoE
 dispatch, the varlen attention, FLA's kernels and the chunked cross entropy. (Left to itself, FLA 0.6 uploads
 the chunk index it derives from the host `cu_seqlens` with a blocking copy, once per step: we hand it the index,
-built on the host and copied from pinned memory, `gated_delta_rule._uploaded_chunk_indices`.)"""
+built on the host and copied from pinned memory, `models/qwen35_moe/fla_varlen.py`.)"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from models.qwen35_moe.fla_varlen import fla_chunk_indices, uploaded_chunk_indices
+from models.qwen35_moe.fla_varlen import fla_chunk_indices, fla_varlen_args, uploaded_chunk_indices
 
 
 def chunk_rows(cu_seqlens: list[int], chunk_size: int) -> list[list[int]]:
@@ -27,3 +27,15 @@ def test_a_layout_uploads_its_index_once():
     assert uploaded_chunk_indices(host, host) is first  # the next layer of the step
     assert uploaded_chunk_indices(host.clone(), host) is not first  # the next step's layout
     assert uploaded_chunk_indices(host, host.long()).dtype == torch.int64  # FLA's: cu_seqlens' dtype
+
+
+def test_varlen_args_take_the_host_copy_or_the_host_tensor_itself():
+    host = torch.tensor([0, 100, 300], dtype=torch.int32)
+    given = fla_varlen_args(host.clone(), host, torch.device("cpu"))  # a device tensor and its host copy
+    assert given["cu_seqlens_cpu"] is host and given["cu_seqlens"].dtype == torch.int32
+    assert torch.equal(given["chunk_indices"], fla_chunk_indices(host).int())
+    derived = fla_varlen_args(host, None, torch.device("cpu"))  # cu_seqlens on the host serves as its own copy
+    assert derived["cu_seqlens_cpu"] is host and derived["chunk_indices"] is not None
+    assert fla_varlen_args(host.short(), None, torch.device("cpu"))["cu_seqlens"].dtype == torch.int64
+    assert fla_varlen_args(None, None, torch.device("cpu")) == {"cu_seqlens": None, "cu_seqlens_cpu": None,
+                                                               "chunk_indices": None}
