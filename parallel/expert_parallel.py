@@ -1,22 +1,27 @@
-"""Expert parallelism's token exchange: each EP rank holds E / ep of a MoE layer's routed experts (rank r: experts
-r * E/ep ... (r + 1) * E/ep - 1) and every rank routes its own tokens; the tokens travel to their experts' ranks
-and back with two all-to-alls.
+"""Expert parallelism: each EP rank holds E / ep of a MoE layer's routed experts (rank r: experts r * E/ep ...
+(r + 1) * E/ep - 1) and every rank routes its own tokens. Two ways to bring the tokens to their experts, both with
+`routed(x, weights, ids, local_experts) -> (N, D)`, each token's weighted sum over its k experts:
 
-    routed = ExpertParallel(ep_mesh).exchange(x_sorted, counts, local_experts)
-    # x_sorted (M, D) sorted by global expert, counts (E,): one ExpertParallel per MoE layer
+`AllGatherExpertParallel` (`expert_parallel_dispatch = "all_gather"`): every rank gathers the whole EP group's
+tokens and routing, runs its own experts on the assignments that chose them, and a reduce-scatter sums each token's
+partial outputs on the token's rank. No host sync and no data-dependent shape (compile traces the whole layer),
+but it moves (ep - 1) * N * D rows each way where the all-to-all moves about N * k * D * (ep - 1) / ep: the
+smaller of the two while ep < k, and its buffers hold ep * N * k rows (the worst case of every assignment of the
+group choosing this rank), so it suits small EP groups.
 
-1. an all-to-all of the per-expert token counts (E integers per rank), so each rank learns how many tokens
-   every rank sends to each of its local experts;
-2. one device-to-host copy of the split sizes (the all-to-all of the tokens needs them on the host): the only
-   host sync, which an activation-checkpointing recompute of the layer skips (it reuses the forward's);
-3. an all-to-all of the tokens, which arrive grouped by source rank, then by local expert; a permutation
-   groups them by local expert for the grouped GEMM; the local experts run; the inverse permutation and the
-   mirror all-to-all bring each token's output back to the rank and place it came from.
-The token all-to-alls are differentiable (parallel/collectives.py; backward: the mirror all-to-all), so
-gradients reach the router, the tokens and the local experts' weights (from every rank's tokens).
+`ExpertParallel` (`"all_to_all"`): the tokens travel to their experts' ranks and back with two all-to-alls.
+    1. an all-to-all of the per-expert token counts (E integers per rank), so each rank learns how many tokens
+       every rank sends to each of its local experts;
+    2. one device-to-host copy of the split sizes (the all-to-all of the tokens needs them on the host): the only
+       host sync, which an activation-checkpointing recompute of the layer skips (it reuses the forward's);
+    3. an all-to-all of the tokens, which arrive grouped by source rank, then by local expert; a permutation
+       groups them by local expert for the grouped GEMM; the local experts run; the inverse permutation and the
+       mirror all-to-all bring each token's output back to the rank and place it came from.
 
-`ExpertParallel` is what the parallelize function attaches to each SparseMoE (`_ep`); the experts' weights are
-then DTensors sharded on the expert dimension over the EP mesh (`shard_experts`).
+The collectives are differentiable (parallel/collectives.py), so gradients reach the router, the tokens and the
+local experts' weights (from every rank's tokens). The parallelize function attaches one of these to each
+SparseMoE (`_ep`); the experts' weights are then DTensors sharded on the expert dimension over the EP mesh
+(`shard_experts`).
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from models.qwen35_moe.moe import RoutedExperts, gather_rows, inverse_permutation
+from models.qwen35_moe.moe import RoutedExperts, combine_expert_outputs, gather_rows, inverse_permutation
 
-from .collectives import all_to_all
+from .collectives import all_gather, all_to_all, reduce_scatter_sum
 
 
 def local_expert_order(received_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -102,6 +107,65 @@ class ExpertParallel:
         torch._assert_async((received == forward_received).all(),
                             "expert parallelism: the recomputed routing differs from the forward's")
         return exchange(x, received, send, recv, local_experts, self.group)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               local_experts: RoutedExperts) -> torch.Tensor:
+        run = lambda x_sorted, counts: self.exchange(x_sorted, counts, local_experts)  # noqa: E731
+        return combine_expert_outputs(x, weights, ids, _num_experts(local_experts), run)
+
+
+def local_partial_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, local_experts: RoutedExperts,
+                          first: int, local: int) -> torch.Tensor:
+    """x (N, D), top-k weights and expert ids (N, k) -> (N, D) in fp32 (at least): each token's weighted sum over
+    those of its experts that are here, `local_experts` = experts first ... first + local - 1 (zero if none is).
+    Static shapes: the expert buffers hold all N * k assignments, this rank's first."""
+    mine = (ids >= first) & (ids < first + local)
+    # The other ranks' experts become one extra group, `local`, sorted after this rank's and never run.
+    local_ids = torch.where(mine, ids - first, local)
+
+    def run(x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Rows from counts[:local].sum() on are the other ranks' assignments, which the experts leave unspecified
+        # (the grouped GEMM does not write them): masked, not multiplied, on the way in and out, so no garbage
+        # (NaN) reaches an output or a gradient through them.
+        ours = (torch.arange(x_sorted.shape[0], device=x_sorted.device) < counts[:local].sum())[:, None]
+        return torch.where(ours, local_experts(torch.where(ours, x_sorted, 0), counts[:local]), 0)
+
+    return combine_expert_outputs(x, weights, local_ids, local + 1, run,
+                                  out_dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+class AllGatherExpertParallel:
+    """One MoE layer's all-gather dispatch over the EP group (see the module docstring). Every rank must route the
+    same number of tokens (the trainer's batches are all local_batch_size x seq_len / cp)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.group = mesh.get_group()
+        self.rank, self.size = mesh.get_local_rank(), mesh.size()
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               local_experts: RoutedExperts) -> torch.Tensor:
+        top_k = ids.shape[1]
+        tokens = all_gather(x, self.group)  # (ep * N, D)
+        # The routing in one collective: expert ids are exact in the weights' float dtype (< 2^24 experts).
+        routing = all_gather(torch.cat((weights, ids.to(weights.dtype)), dim=1), self.group)  # (ep * N, 2k)
+        local = _num_experts(local_experts) // self.size
+        partial = local_partial_outputs(tokens, routing[:, :top_k], routing[:, top_k:].detach().long(),
+                                        local_experts, self.rank * local, local)
+        # The ranks' fp32 parts are summed before the one rounding to x's dtype.
+        return reduce_scatter_sum(partial, self.group).to(x.dtype)
+
+
+def resolve_dispatch(dispatch: str, ep: int, top_k: int) -> str:
+    """The dispatch "auto" stands for: the all-gather while it moves at most half the all-to-all's bytes (ep / top_k)
+    and holds a few times its buffers; past that the all-to-all, whose bytes and buffers do not grow with ep."""
+    if dispatch != "auto":
+        return dispatch
+    return "all_gather" if 2 * ep <= top_k else "all_to_all"
+
+
+def _num_experts(experts: RoutedExperts) -> int:
+    """All experts of the layer (the global size of the weights, a DTensor sharded over the EP mesh)."""
+    return experts.gate_up_proj.shape[0]
 
 
 def scale_expert_gradients(model: nn.Module, ep: int) -> None:

@@ -19,7 +19,7 @@ from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 
 from .context_parallel import CPContext
-from .expert_parallel import ExpertParallel, shard_experts
+from .expert_parallel import AllGatherExpertParallel, ExpertParallel, shard_experts
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
@@ -35,13 +35,14 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
             module._cp = context
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split every MoE layer's routed experts over the EP mesh and route its tokens through the exchange (one
-    per layer: it keeps the layer's split sizes for the activation-checkpointing recompute)."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "all_gather") -> None:
+    """Split every MoE layer's routed experts over the EP mesh and route its tokens through `dispatch`'s exchange
+    (one per layer: the all-to-all keeps the layer's split sizes for the activation-checkpointing recompute)."""
+    exchange = {"all_gather": AllGatherExpertParallel, "all_to_all": ExpertParallel}[dispatch]
     for module in model.modules():
         if isinstance(module, SparseMoE):
             shard_experts(module.experts, ep_mesh)
-            module._ep = ExpertParallel(ep_mesh)
+            module._ep = exchange(ep_mesh)
 
 
 def _saved_ops() -> set:
@@ -149,11 +150,12 @@ def reshard_fsdp(model: nn.Module) -> None:
 def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype,
                            reduce_dtype: torch.dtype, ac_mode: str, compile: bool,
                            cp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
-                           expert_fsdp_mesh: DeviceMesh | None = None,
+                           expert_fsdp_mesh: DeviceMesh | None = None, expert_dispatch: str = "all_gather",
                            reshard_after_forward: bool = True) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
     context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
-    group and the FSDP mesh of the experts' weights, None without expert parallelism.
+    group and the FSDP mesh of the experts' weights, None without expert parallelism; `expert_dispatch`: how
+    tokens reach the experts' ranks ("all_gather" or "all_to_all", parallel/expert_parallel.py).
 
     One rank (one GPU, or a single process) gets no FSDP: its weights stay whole fp32 parameters and, given a
     `param_dtype`, the model computes in it (`model.compute_dtype`), casting each weight where it is used, as
@@ -161,7 +163,7 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     if cp_mesh is not None:
         apply_context_parallel(model, cp_mesh)
     if ep_mesh is not None:
-        apply_expert_parallel(model, ep_mesh)
+        apply_expert_parallel(model, ep_mesh, expert_dispatch)
     # Compile first, then checkpoint the compiled block: compile over a checkpointed block would have to trace the
     # checkpoint whole, and a block with graph breaks (FLA's kernels, EP's exchange) cannot be; dynamo then runs
     # the whole block eagerly, in the forward and in the recompute (on one H200 full AC then cost 39% of the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,9 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D)."""
+        """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D). Rows past sum(counts) belong to no
+        expert here (expert parallelism's all-gather dispatch: the other ranks' assignments): their outputs are
+        unspecified (zeros on the loop path, whatever the grouped GEMM leaves there on GPU)."""
         if x.is_cuda and x.dtype == torch.bfloat16:
             return self._grouped_mm(x, counts)
         return self._loop(x, counts)
@@ -139,11 +142,33 @@ class RoutedExperts(nn.Module):
         # weight stay in the graph; under expert parallelism a rank may receive no tokens at all and must still
         # run the exchange's backward (a collective) with the others.
         gate_up_proj, down_proj = self._weights(x.dtype)
+        sizes = counts.tolist()
         outputs = []
-        for e, rows in enumerate(x.split(counts.tolist())):
+        for e, rows in enumerate(x[:sum(sizes)].split(sizes)):
             gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))
+        outputs.append(x.new_zeros(x.shape[0] - sum(sizes), down_proj.shape[1]))  # rows past the last expert's
         return torch.cat(outputs)
+
+
+def combine_expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                           run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (N, D), top-k weights and expert ids (N, k) -> (N, D): each token's k expert outputs, weighted and summed.
+
+    The N * k (token, slot) assignments are sorted by expert so each expert sees a contiguous block;
+    `run_experts(x_sorted, counts)` maps those rows (counts (num_experts,): rows per expert) to the experts'
+    outputs; back in (token, slot) order the k outputs of a token are weighted and summed in one reduction (in
+    `out_dtype`, by default x's)."""
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    slot_at = inverse_permutation(order)  # where each assignment landed
+    x_sorted = gather_rows(x, order // top_k, slot_at, top_k)  # (N * k, D)
+    counts = flat_ids.new_zeros(num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    routed = run_experts(x_sorted, counts)
+    per_slot = gather_rows(routed, slot_at, order).view(num_tokens, top_k, -1)  # (N, k, D)
+    return (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1, dtype=out_dtype)
 
 
 class SparseMoE(nn.Module):
@@ -155,8 +180,8 @@ class SparseMoE(nn.Module):
         self.experts = RoutedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
         self.shared_expert = FeedForward(args.hidden_size, args.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
-        # Expert parallelism's token exchange (parallel/expert_parallel.py), attached by the parallelize function:
-        # then `experts` holds this rank's share of the experts and the other ranks' tokens come to them.
+        # Expert parallelism's dispatch (parallel/expert_parallel.py), attached by the parallelize function: then
+        # `experts` holds this rank's share of the experts and `_ep.routed` brings the other ranks' tokens to them.
         self._ep = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,22 +189,12 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
         probs, weights, ids = self.gate(x)
-
-        # Sort the N * k (token, slot) assignments by expert so each expert sees a contiguous block; `slot_at`
-        # is where each assignment landed.
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        slot_at = inverse_permutation(order)
-        x_sorted = gather_rows(x, order // self.top_k, slot_at, self.top_k)  # (N * k, D)
         # Tokens per expert; not torch.bincount, whose output size depends on the data (a host sync on a GPU).
+        flat_ids = ids.reshape(-1)
         counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         if self._ep is None:
-            routed = self.experts(x_sorted, counts)
+            out = combine_expert_outputs(x, weights, ids, self.num_experts, self.experts)
         else:
-            routed = self._ep.exchange(x_sorted, counts, self.experts)
-        # Back to (token, slot) order, then each token's k outputs weighted and summed in one reduction.
-        per_slot = gather_rows(routed, slot_at, order).view(*weights.shape, -1)  # (N, k, D)
-        out = (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1)
-
+            out = self._ep.routed(x, weights, ids, self.experts)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (out + shared).reshape(shape), counts.detach().float(), probs.sum(dim=0)

@@ -1,78 +1,64 @@
 """Worker for test_expert_parallel: one MoE layer with its routed experts split over the ranks (expert
-parallelism's exchange, parallel/expert_parallel.py) against the whole layer run in one process on every rank's
-tokens, in float64. Raises (non-zero exit) on any difference beyond float64 summation order."""
+parallelism's dispatch, all-to-all and all-gather, parallel/expert_parallel.py) against the whole layer run in one
+process on every rank's tokens, in float64, eager and compiled. Raises (non-zero exit) on any difference beyond
+float64 summation order."""
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeArgs
-from models.qwen35_moe.moe import RoutedExperts, SparseMoE
-from parallel.expert_parallel import ExpertParallel
+from models.qwen35_moe.moe import SparseMoE
+from parallel.parallelize import apply_expert_parallel
 
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
                      shared_expert_intermediate_size=8)
-TOKENS = (24, 40, 17, 31)  # per rank (up to 4): the ranks route different numbers of tokens
+# Tokens per rank (up to 4). The all-to-all takes any numbers (here different ones); the all-gather needs the same
+# number on every rank, as the trainer's fixed-size batches give it.
+TOKENS = {"all_to_all": (24, 40, 17, 31), "all_gather": (29, 29, 29, 29)}
 
 
-class ExpertParallelExperts(nn.Module):
-    """This rank's slice of the routed experts behind the exchange: what SparseMoE calls as `self.experts`."""
-
-    def __init__(self, full: RoutedExperts, rank: int, ep: int):
-        super().__init__()
-        self.ep = ExpertParallel(init_device_mesh("cpu", (ep,)))
-        local = full.num_experts // ep
-        self.local = RoutedExperts(local, ARGS.hidden_size, ARGS.moe_intermediate_size)
-        with torch.no_grad():
-            self.local.gate_up_proj.copy_(full.gate_up_proj[rank * local:(rank + 1) * local])
-            self.local.down_proj.copy_(full.down_proj[rank * local:(rank + 1) * local])
-
-    def forward(self, x, counts):
-        return self.ep.exchange(x, counts, self.local)
-
-
-def tokens(rank: int) -> torch.Tensor:
+def tokens(rank: int, n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(TOKENS[rank], ARGS.hidden_size, generator=g)
+    x = torch.randn(n, ARGS.hidden_size, generator=g)
     if rank == 0:  # rank 0's tokens only ever pick experts 0-3: the upper ranks' experts get nothing from it
         x[:, 4:8] = -x[:, 4:8].abs() - 1
     return x
 
 
 def check_expert_parallel_layer(reference: SparseMoE, out_ref: torch.Tensor, whole_grad: torch.Tensor, xs, weights,
-                                rank: int, ep: int, compiled: bool) -> None:
+                                rank: int, ep: int, dispatch: str, compiled: bool) -> None:
     """This rank's share of the layer under EP against the whole layer's output and gradients (float64)."""
     ep_layer = SparseMoE(ARGS)
     ep_layer.load_state_dict(reference.state_dict())
-    ep_layer.experts = ExpertParallelExperts(reference.experts, rank, ep)
+    apply_expert_parallel(ep_layer, init_device_mesh("cpu", (ep,)), dispatch)
     if compiled:
         ep_layer.compile()
     x = xs[rank].clone().requires_grad_()
     out, counts, _ = ep_layer(x.unsqueeze(0))
     (out.squeeze(0) * weights[rank]).sum().backward()
 
-    mine = slice(sum(TOKENS[:rank]), sum(TOKENS[:rank + 1]))
+    sizes = TOKENS[dispatch]
+    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     local = ARGS.num_experts // ep
     experts = slice(rank * local, (rank + 1) * local)
     if rank == 0:
         assert counts[4:].sum() == 0, counts  # the unbalanced case is really exercised
     close = dict(rtol=1e-12, atol=1e-12)
-    what = "compiled " if compiled else ""
+    what = f"{dispatch}{' compiled' if compiled else ''}: "
     torch.testing.assert_close(out.squeeze(0), out_ref.squeeze(0)[mine], **close, msg=what + "output")
     torch.testing.assert_close(x.grad, whole_grad[mine], **close, msg=what + "input gradient")
-    # Router and shared expert: replicated, each rank's gradient from its own tokens; summed over the ranks.
+    # Local experts (a DTensor's local shard): each rank's gradient already holds every rank's tokens (through the
+    # exchange's backward). Router and shared expert: replicated, each rank's gradient from its own tokens; summed over the ranks.
     for name, p in ep_layer.named_parameters():
         if name.startswith("experts."):
+            local_grad = p.grad.to_local()
+            torch.testing.assert_close(local_grad, dict(reference.named_parameters())[name].grad[experts], **close,
+                                       msg=what + name)
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad)
         torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, **close, msg=what + name)
-    # Local experts: each rank's gradient already holds every rank's tokens (through the all-to-all's backward).
-    torch.testing.assert_close(ep_layer.experts.local.gate_up_proj.grad, reference.experts.gate_up_proj.grad[experts],
-                               **close, msg=what + "gate_up_proj")
-    torch.testing.assert_close(ep_layer.experts.local.down_proj.grad, reference.experts.down_proj.grad[experts],
-                               **close, msg=what + "down_proj")
 
 
 def main() -> None:
@@ -85,13 +71,17 @@ def main() -> None:
         for p in reference.parameters():
             p.normal_(0, 0.5)
         reference.gate.weight.copy_(torch.eye(ARGS.num_experts, ARGS.hidden_size) * 4)  # expert e <- dim e
-    xs = [tokens(r) for r in range(ep)]
-    weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + r)) for r, x in enumerate(xs)]
-    whole = torch.cat(xs).requires_grad_()
-    out_ref = reference(whole.unsqueeze(0))[0]
-    (out_ref.squeeze(0) * torch.cat(weights)).sum().backward()
-    for compiled in (False, True):  # compiled, the exchange runs eagerly between two graphs (compile.enable)
-        check_expert_parallel_layer(reference, out_ref, whole.grad, xs, weights, rank, ep, compiled)
+    for dispatch in ("all_to_all", "all_gather"):
+        xs = [tokens(r, TOKENS[dispatch][r]) for r in range(ep)]
+        weights = [torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + r)) for r, x in enumerate(xs)]
+        for p in reference.parameters():
+            p.grad = None
+        whole = torch.cat(xs).requires_grad_()
+        out_ref = reference(whole.unsqueeze(0))[0]
+        (out_ref.squeeze(0) * torch.cat(weights)).sum().backward()
+        # Compiled: the all-to-all runs eagerly between two graphs; the all-gather dispatch is traced with the layer.
+        for compiled in (False, True):
+            check_expert_parallel_layer(reference, out_ref, whole.grad, xs, weights, rank, ep, dispatch, compiled)
     dist.destroy_process_group()
 
 

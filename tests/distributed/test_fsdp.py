@@ -66,6 +66,10 @@ EP_LAYOUTS = {  # unbalanced routing (SKEWED): under EP=4, rank 0's two experts 
     "ep2_full_ac": (2, [EP, "2", "--activation_checkpoint.mode", "full"]),
     "ep2_selective_ac": (2, [EP, "2", "--activation_checkpoint.mode", "selective"]),
 }
+# The layouts above run the all-to-all ("auto" with top_k 2); the all-gather dispatch in the main ones:
+EP_LAYOUTS.update({f"{name}_all_gather": (nproc, [*layout, "--parallelism.expert_parallel_dispatch", "all_gather"])
+                   for name, (nproc, layout) in EP_LAYOUTS.items()
+                   if name in ("ep2", "ep4", "ep2_fsdp2", "ep2_cp2", "ep2_selective_ac")})
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -1,7 +1,8 @@
-"""Expert parallelism's exchange on CUDA (NCCL, one rank, bf16 grouped GEMM experts): the layer gives the plain
-layer's output and gradients bitwise (one rank: the exchange only permutes), and the host waits for the GPU once
-per layer, for the split sizes, nowhere else (the other ranks' layouts run on CPU in tests/distributed/test_fsdp.py
-and on GPUs in benchmarks/train_throughput.py)."""
+"""Expert parallelism's dispatch on CUDA (NCCL, one rank, bf16 grouped GEMM experts): with either dispatch the layer
+gives the plain layer's output and gradients bitwise (one rank: the exchange only permutes); the all-to-all makes
+the host wait for the GPU once per layer, for the split sizes, the all-gather never. The all-gather's masked rows
+(the other ranks' assignments, which the grouped GEMM leaves unwritten) against a float64 reference. The other
+ranks' layouts run on CPU in tests/distributed/test_fsdp.py and on GPUs in benchmarks/train_throughput.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeArgs
-from models.qwen35_moe.moe import SparseMoE
-from parallel.expert_parallel import ExpertParallel, shard_experts
+from models.qwen35_moe.moe import RoutedExperts, SparseMoE
+from parallel.expert_parallel import AllGatherExpertParallel, ExpertParallel, local_partial_outputs, shard_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -39,7 +40,10 @@ def _run(layer, x, probe):
     return out.detach(), x.grad, grads
 
 
-def test_one_rank_exchange_gives_the_plain_layer_bitwise_and_syncs_only_for_the_split_sizes(nccl_mesh):
+@pytest.mark.parametrize("dispatch, host_syncs", [(ExpertParallel, 1), (AllGatherExpertParallel, 0)],
+                         ids=["all_to_all", "all_gather"])
+def test_one_rank_exchange_gives_the_plain_layer_bitwise_and_syncs_only_for_the_split_sizes(nccl_mesh, dispatch,
+                                                                                           host_syncs):
     torch.manual_seed(0)
     plain = SparseMoE(ARGS)
     with torch.no_grad():
@@ -49,7 +53,7 @@ def test_one_rank_exchange_gives_the_plain_layer_bitwise_and_syncs_only_for_the_
     plain = plain.to("cuda", torch.bfloat16)
     ep = copy.deepcopy(plain)
     shard_experts(ep.experts, nccl_mesh)
-    ep._ep = ExpertParallel(nccl_mesh)
+    ep._ep = dispatch(nccl_mesh)
     x = torch.randn(2, 300, ARGS.hidden_size, device="cuda", dtype=torch.bfloat16)
     probe = torch.randn(2, 300, ARGS.hidden_size, device="cuda")
 
@@ -66,9 +70,58 @@ def test_one_rank_exchange_gives_the_plain_layer_bitwise_and_syncs_only_for_the_
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
-    assert len(syncs) == 1 and "expert_parallel.py" in syncs[0], syncs  # the split sizes' copy to the host
+    assert len(syncs) == host_syncs and all("expert_parallel.py" in s for s in syncs), syncs  # the split sizes
 
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1], want[1])
     for name, grad in want[2].items():
         assert torch.equal(got[2][name], grad), name
+
+
+def _poison_free_memory() -> None:
+    """Fill blocks the caching allocator will hand out again with NaN: unwritten rows of a later buffer then read
+    NaN, and an unmasked one shows."""
+    blocks = [torch.full((n,), float("nan"), device="cuda") for n in (2 ** p for p in range(8, 24)) for _ in range(4)]
+    del blocks
+
+
+def test_all_gather_partials_mask_the_other_ranks_rows_against_a_float64_reference():
+    """Rank 1 of 4 (experts 2-3 of 8): its bf16 partial outputs and the gradients of tokens, routing weights and
+    its experts, against the formula in float64, with the unwritten rows of its buffers poisoned with NaN."""
+    torch.manual_seed(0)
+    tokens, top_k, first, local = 512, 2, 2, 2
+    experts = RoutedExperts(local, ARGS.hidden_size, ARGS.moe_intermediate_size)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.05)
+    x = torch.randn(tokens, ARGS.hidden_size, dtype=torch.float64)
+    weights = torch.rand(tokens, top_k, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(ARGS.num_experts)[:top_k] for _ in range(tokens)])
+    probe = torch.randn(tokens, ARGS.hidden_size, dtype=torch.float64)
+
+    # float64 reference: for each of this rank's experts, its weight on each token (0 if the token did not pick it)
+    ref_x, ref_w = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    ref_experts = copy.deepcopy(experts).double()
+    ref = torch.zeros(tokens, ARGS.hidden_size, dtype=torch.float64)
+    for e in range(local):
+        on_token = (ref_w * (ids == first + e)).sum(1, keepdim=True)
+        gate, up = (ref_x @ ref_experts.gate_up_proj[e].t()).chunk(2, dim=-1)
+        ref = ref + on_token * ((torch.nn.functional.silu(gate) * up) @ ref_experts.down_proj[e].t())
+    (ref * probe).sum().backward()
+
+    cuda_experts = copy.deepcopy(experts).to("cuda", torch.bfloat16)
+    got_x = x.to("cuda", torch.bfloat16).requires_grad_()
+    got_w = weights.to("cuda", torch.float32).requires_grad_()
+    _poison_free_memory()
+    got = local_partial_outputs(got_x, got_w, ids.cuda(), cuda_experts, first, local)
+    (got * probe.cuda()).sum().backward()
+
+    def rel(a, b):
+        return ((a.double().cpu() - b).norm() / b.norm()).item()
+    # bf16 inputs and weights (8 mantissa bits): relative errors of a few 1e-3 against float64
+    assert got.dtype == torch.float32
+    assert rel(got, ref.detach()) < 1e-2
+    assert rel(got_x.grad, ref_x.grad) < 1e-2
+    assert rel(got_w.grad, ref_w.grad) < 1e-2
+    for name, p in cuda_experts.named_parameters():
+        assert rel(p.grad, dict(ref_experts.named_parameters())[name].grad) < 1e-2, name
