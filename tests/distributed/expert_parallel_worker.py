@@ -49,7 +49,8 @@ def check_expert_parallel_layer(reference: SparseMoE, out_ref: torch.Tensor, who
     torch.testing.assert_close(out.squeeze(0), out_ref.squeeze(0)[mine], **close, msg=what + "output")
     torch.testing.assert_close(x.grad, whole_grad[mine], **close, msg=what + "input gradient")
     # Local experts (a DTensor's local shard): each rank's gradient already holds every rank's tokens (through the
-    # exchange's backward). Router and shared expert: replicated, each rank's gradient from its own tokens; summed over the ranks.
+    # exchange's backward). Router and shared expert: replicated, each rank's gradient from its own tokens; summed
+    # over the ranks.
     for name, p in ep_layer.named_parameters():
         if name.startswith("experts."):
             local_grad = p.grad.to_local()

@@ -1,6 +1,6 @@
-"""Expert parallelism's dispatches (all-to-all, all-gather) on 2 and 4 gloo ranks against the whole MoE layer in one process
-(tests/distributed/expert_parallel_worker.py): outputs, input gradients, router, shared-expert and local-expert
-gradients in float64, with a rank whose tokens never reach the other ranks' experts."""
+"""Expert parallelism's dispatches (all-to-all, all-gather) on 2 and 4 gloo ranks against the whole MoE layer in one
+process (tests/distributed/expert_parallel_worker.py): outputs, input gradients, router, shared-expert and
+local-expert gradients in float64, with a rank whose tokens never reach the other ranks' experts."""
 
 import os
 import subprocess
