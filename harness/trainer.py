@@ -179,10 +179,12 @@ class Trainer:
         loads = routing_loads(step_counts, self.dims.ep).to(losses.dtype)
         return torch.cat((losses, grad_norm.reshape(1).to(losses.dtype), loads))
 
-    def read_pending(self) -> dict[str, float]:
-        """Read the steps run since the last read (see `_read`); returns the last step's values."""
-        if self.pending:
-            self.last, self.pending = self._read(self.pending), []
+    def read_pending(self, through: int | None = None) -> dict[str, float]:
+        """Read the steps run since the last read, up to step `through` (all by default; see `_read`); returns the
+        last read step's values."""
+        ready = [entry for entry in self.pending if through is None or entry[0] <= through]
+        if ready:
+            self.last, self.pending = self._read(ready), self.pending[len(ready):]
         return self.last
 
     def _read(self, pending: list[tuple[int, torch.Tensor]]) -> dict[str, float]:
@@ -205,10 +207,26 @@ class Trainer:
         accum = self.layout.grad_accum_steps
         data = iter(self.dataloader)
         tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum // self.dims.cp
-        window_tokens, window_attended, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
+        window: list[tuple[int, int, float, float]] = []  # (step, tokens, mean attended keys, lr), not yet logged
+        window_start = time.perf_counter()
+        log_due = None  # a step whose metrics are due, logged once the next step is queued (see below)
         self.model.train()
         profiler = StepProfiler(cfg, self.rank, self.device, start_step=self.step)
         gc_freq = cfg.training.gc_freq
+
+        def log(step: int) -> None:
+            nonlocal window, window_start
+            last = self.read_pending(through=step)  # the host waits for the GPU to finish `step` here
+            done, window = [w for w in window if w[0] <= step], [w for w in window if w[0] > step]
+            now = time.perf_counter()
+            tps = sum(w[1] for w in done) / (now - window_start)  # per device, as torchtitan reports it
+            # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
+            flops = training_flops_per_token(self.model_args, sum(w[2] for w in done) / len(done))
+            mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
+            self.metrics.log(step, {**last, "lr": done[-1][3], "tokens_per_sec": tps, "mfu": mfu,
+                                    "max_memory_gib": max_memory_gib(self.device)})
+            window_start = now
+
         if gc_freq:
             gc.disable()
             gc.collect(1)
@@ -221,25 +239,28 @@ class Trainer:
                 batches = [next(data) for _ in range(accum)]
                 self.pending.append((self.step, self._step(batches)))
                 profiler.step(self.step)
-                window_tokens += tokens_per_step_local
-                window_attended += sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum
-                window_steps += 1
+                window.append((self.step, tokens_per_step_local,
+                               sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr))
+                # A due step is logged one step late, once this step is queued: reading it then does not drain
+                # the GPU's queue, which with log_freq 1 left the GPU idle at every step's start while the host
+                # queued the next forward. The first and last steps, and any step that validates, saves or stops,
+                # are read at once.
+                if log_due is not None:
+                    log(log_due)
+                    log_due = None
                 if self.step % cfg.metrics.log_freq == 0 or self.step in (1, cfg.training.steps):
-                    last = self.read_pending()  # the host waits for the GPU here, once per log_freq steps
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_tokens / elapsed  # per device, as torchtitan reports it
-                    # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
-                    flops = training_flops_per_token(self.model_args, window_attended / window_steps)
-                    mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
-                    self.metrics.log(self.step, {**last, "lr": lr, "tokens_per_sec": tps, "mfu": mfu,
-                                                 "max_memory_gib": max_memory_gib(self.device)})
-                    window_tokens, window_attended, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
-                if self.validator is not None and (self.step % cfg.validation.freq == 0
-                                                   or self.step == cfg.training.steps):
+                    log_due = self.step
+                validate = self.validator is not None and (self.step % cfg.validation.freq == 0
+                                                           or self.step == cfg.training.steps)
+                stop = self.stop.agreed(self.cpu_group)
+                if log_due is not None and (self.step in (1, cfg.training.steps) or validate or stop
+                                            or self._save_due()):
+                    log(log_due)
+                    log_due = None
+                if validate:
                     self.read_pending()  # never validate (or save) weights a non-finite step produced
                     self.metrics.log_validation(self.step, self.validator.validate(self.model))
                     window_start = time.perf_counter()  # validation time is not training throughput
-                stop = self.stop.agreed(self.cpu_group)
                 saved = self._maybe_save(force=bool(stop))
                 if stop:
                     raise TrainingStopped(self.step, stop, saved)
@@ -252,11 +273,14 @@ class Trainer:
             self.metrics.close()
         return self.last
 
+    def _save_due(self) -> bool:
+        ckpt = self.cfg.checkpoint
+        return self.checkpointer is not None and (self.step % ckpt.interval == 0
+                                                  or self.step == self.cfg.training.steps)
+
     def _maybe_save(self, force: bool) -> str | None:
         """Checkpoint every checkpoint.interval steps, at the last step and when stopping; returns the folder."""
-        ckpt = self.cfg.checkpoint
-        due = self.step % ckpt.interval == 0 or self.step == self.cfg.training.steps
-        if self.checkpointer is None or not (due or force):
+        if self.checkpointer is None or not (self._save_due() or force):
             return None
         self.read_pending()  # raises, saving nothing, if a step since the last read diverged
         tb_run = self.metrics.tb_dir.name if self.metrics.tb_dir is not None else None

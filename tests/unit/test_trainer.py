@@ -213,3 +213,26 @@ def test_garbage_collection_runs_every_gc_freq_steps_and_is_restored(tmp_path, m
     young = [c for c in calls if c[0] == 1]
     assert young == [(1, False)] * 3  # before step 1, at steps 3 and 6; the collector disabled meanwhile
     assert gc.isenabled()
+
+
+def test_a_due_step_is_read_after_the_next_step_is_queued(tmp_path, monkeypatch):
+    """With log_freq 1 the host reads step t's metrics only once step t + 1 is queued (a read waits for the GPU: made
+    at once it leaves the GPU idle while the host queues the next forward); the first and last steps and a step
+    that saves are read at once. Every step is still logged, with its own values."""
+    from harness.trainer import Trainer
+    reads = []  # (steps read, step queued last) per host read
+    real_read = Trainer._read
+
+    def spy(self, pending):
+        reads.append(([step for step, _ in pending], self.step))
+        return real_read(self, pending)
+
+    monkeypatch.setattr(Trainer, "_read", spy)
+    assert _run(tmp_path, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "4") == 0
+    assert reads == [([1], 1), ([2], 3), ([3], 4), ([4], 4), ([5], 6), ([6], 6)]
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # the same values as a run that reads every step at once (the log_freq 1 path before the lag)
+    monkeypatch.setattr(Trainer, "_read", real_read)
+    assert _run(tmp_path / "eager", "--training.steps", "6", "--metrics.log_freq", "100") == 0
+    assert rows[-1]["loss"] == _metrics(tmp_path / "eager")[-1]["loss"]
