@@ -48,6 +48,26 @@ class TrainingDivergedError(RuntimeError):
     """The loss became NaN or infinite; nothing was saved for that step."""
 
 
+class StepValues:
+    """A step's values (`Trainer._step`), copied to the host as soon as the step's kernels have run: reading them
+    waits for that step only. (Read from the device, they would wait for every kernel queued after them too, the
+    next step's included.)"""
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host, self.copied = values, None
+
+    def read(self) -> list[float]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -102,7 +122,7 @@ class Trainer:
                                      resume_step=self.step if resume_step is not None else None, tb_run=tb_run)
         self.peak_flops = peak_flops(self.device)
         self.last: dict[str, float] = {}
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, its unread `_step` values) since the last read
+        self.pending: list[tuple[int, StepValues]] = []  # (step, its unread `_step` values) since the last read
         self.started = time.perf_counter()
         if self.rank == 0:
             self._save_config()
@@ -140,7 +160,7 @@ class Trainer:
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over the global batch (this data-parallel rank's rows); returns the global loss,
         balance loss and grad norm (and raises TrainingDivergedError if they are not finite)."""
-        return self._read([(self.step, self._step(microbatches))])
+        return self._read([(self.step, StepValues(self._step(microbatches)))])
 
     def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step; returns (loss, aux_loss, grad_norm, expert_load, ep_rank_load) on the device,
@@ -187,10 +207,10 @@ class Trainer:
             self.last, self.pending = self._read(ready), self.pending[len(ready):]
         return self.last
 
-    def _read(self, pending: list[tuple[int, torch.Tensor]]) -> dict[str, float]:
+    def _read(self, pending: list[tuple[int, StepValues]]) -> dict[str, float]:
         """Read the unread steps' values (`_step`) in one host sync; raise at the first non-finite
         one. Returns the last step's values."""
-        values = torch.stack([v for _, v in pending]).tolist()
+        values = [v.read() for _, v in pending]
         for (step, _), (loss, aux_loss, grad_norm, *_) in zip(pending, values):
             if not math.isfinite(loss) or not math.isfinite(grad_norm):
                 raise TrainingDivergedError(
@@ -237,7 +257,7 @@ class Trainer:
                     gc.collect(1)
                 lr = self.optimizer.param_groups[0]["lr"]
                 batches = [next(data) for _ in range(accum)]
-                self.pending.append((self.step, self._step(batches)))
+                self.pending.append((self.step, StepValues(self._step(batches))))
                 profiler.step(self.step)
                 window.append((self.step, tokens_per_step_local,
                                sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr))

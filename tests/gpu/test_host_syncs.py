@@ -43,3 +43,24 @@ def test_forward_and_backward_make_no_host_sync():
     torch.cuda.synchronize()
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
     assert not syncs, f"host syncs: {syncs}"
+
+
+def test_a_steps_metrics_are_read_without_waiting_for_the_work_queued_after_them():
+    """The trainer reads step t's metrics once step t + 1 is queued (harness/trainer.py): the read must wait for
+    step t's kernels only. A 0.5 s kernel queued after the values stands in for the next step."""
+    import time
+
+    from harness.trainer import StepValues
+
+    values = torch.arange(5.0, device="cuda") * 2
+    torch.cuda.synchronize()
+    pending = StepValues(values)
+    cycles_per_s = torch.cuda.get_device_properties(0).clock_rate * 1000  # kHz
+    torch.cuda._sleep(int(0.5 * cycles_per_s))  # the "next step"
+    start = time.perf_counter()
+    read = pending.read()
+    waited = time.perf_counter() - start
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert read == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert still_busy and waited < 0.1, (waited, still_busy)
