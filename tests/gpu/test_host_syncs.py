@@ -55,8 +55,7 @@ def test_a_steps_metrics_are_read_without_waiting_for_the_work_queued_after_them
     values = torch.arange(5.0, device="cuda") * 2
     torch.cuda.synchronize()
     pending = StepValues(values)
-    cycles_per_s = torch.cuda.get_device_properties(0).clock_rate * 1000  # kHz
-    torch.cuda._sleep(int(0.5 * cycles_per_s))  # the "next step"
+    torch.cuda._sleep(1_000_000_000)  # the "next step": 10^9 GPU cycles, >= 0.5 s at H100/H200 clocks (<= 2 GHz)
     start = time.perf_counter()
     read = pending.read()
     waited = time.perf_counter() - start
