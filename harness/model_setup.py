@@ -14,7 +14,6 @@ from torch.distributed.fsdp import FSDPModule
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
 from parallel.parallel_dims import Meshes
-from parallel.expert_parallel import resolve_dispatch
 from parallel.parallelize import parallelize_qwen35_moe
 
 from .hf_weights import load_hf_weights
@@ -52,17 +51,13 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
         logger.warning("activation_checkpoint.mode selective with compile.enable: the per-op policy cannot see into "
                        "the compiled graphs, which are recomputed whole; full is faster and holds less (measured on "
                        "one H200: 45.9k against 40.7k tokens/s, README \"Speed\")")
-    ep = cfg.parallelism.expert_parallel_degree
-    dispatch = resolve_dispatch(cfg.parallelism.expert_parallel_dispatch, ep, args.num_experts_per_tok)
-    if ep > 1:
-        logger.info("expert parallelism: %d ranks, %s dispatch", ep, dispatch)
     parallelize_qwen35_moe(model, meshes.fsdp if meshes else None,
                            param_dtype=DTYPES[cfg.training.mixed_precision_param] if on_gpu else None,
                            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce] if on_gpu else None,
                            ac_mode=cfg.activation_checkpoint.mode, compile=cfg.compile.enable,
                            cp_mesh=meshes.cp if meshes else None, ep_mesh=meshes.ep if meshes else None,
                            expert_fsdp_mesh=meshes.expert_fsdp if meshes else None,
-                           expert_dispatch=dispatch,
+                           expert_dispatch=cfg.parallelism.expert_parallel_dispatch,
                            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward != "never")
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)

@@ -227,7 +227,7 @@ class Trainer:
         accum = self.layout.grad_accum_steps
         data = iter(self.dataloader)
         tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum // self.dims.cp
-        window: list[tuple[int, int, float, float]] = []  # (step, tokens, mean attended keys, lr), not yet logged
+        window: list[tuple[int, float, float]] = []  # (step, mean attended keys, lr) of the steps not yet logged
         window_start = time.perf_counter()
         log_due = None  # a step whose metrics are due, logged once the next step is queued (see below)
         self.model.train()
@@ -239,11 +239,11 @@ class Trainer:
             last = self.read_pending(through=step)  # the host waits for the GPU to finish `step` here
             done, window = [w for w in window if w[0] <= step], [w for w in window if w[0] > step]
             now = time.perf_counter()
-            tps = sum(w[1] for w in done) / (now - window_start)  # per device, as torchtitan reports it
+            tps = len(done) * tokens_per_step_local / (now - window_start)  # per device, as torchtitan reports it
             # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
-            flops = training_flops_per_token(self.model_args, sum(w[2] for w in done) / len(done))
+            flops = training_flops_per_token(self.model_args, sum(w[1] for w in done) / len(done))
             mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
-            self.metrics.log(step, {**last, "lr": done[-1][3], "tokens_per_sec": tps, "mfu": mfu,
+            self.metrics.log(step, {**last, "lr": done[-1][2], "tokens_per_sec": tps, "mfu": mfu,
                                     "max_memory_gib": max_memory_gib(self.device)})
             window_start = now
 
@@ -259,8 +259,7 @@ class Trainer:
                 batches = [next(data) for _ in range(accum)]
                 self.pending.append((self.step, StepValues(self._step(batches))))
                 profiler.step(self.step)
-                window.append((self.step, tokens_per_step_local,
-                               sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr))
+                window.append((self.step, sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr))
                 # A due step is logged one step late, once this step is queued: reading it then does not drain
                 # the GPU's queue, which with log_freq 1 left the GPU idle at every step's start while the host
                 # queued the next forward. The first and last steps, and any step that validates, saves or stops,

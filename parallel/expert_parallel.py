@@ -1,6 +1,7 @@
 """Expert parallelism: each EP rank holds E / ep of a MoE layer's routed experts (rank r: experts r * E/ep ...
 (r + 1) * E/ep - 1) and every rank routes its own tokens. Two ways to bring the tokens to their experts, both with
-`routed(x, weights, ids, local_experts) -> (N, D)`, each token's weighted sum over its k experts:
+`routed(x, weights, ids, counts, local_experts) -> (N, D)`, each token's weighted sum over its k experts (counts:
+this rank's assignments per global expert, which the all-to-all sends by; the all-gather counts the gathered ones):
 
 `AllGatherExpertParallel` (`expert_parallel_dispatch = "all_gather"`): every rank gathers the whole EP group's
 tokens and routing, runs its own experts on the assignments that chose them, and a reduce-scatter sums each token's
@@ -35,7 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from models.qwen35_moe.moe import RoutedExperts, combine_expert_outputs, gather_rows, inverse_permutation
+from models.qwen35_moe.moe import RoutedExperts, combine_expert_outputs, expert_counts, gather_rows, inverse_permutation
 
 from .collectives import all_gather, all_to_all, reduce_scatter_sum
 
@@ -108,10 +109,10 @@ class ExpertParallel:
                             "expert parallelism: the recomputed routing differs from the forward's")
         return exchange(x, received, send, recv, local_experts, self.group)
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
                local_experts: RoutedExperts) -> torch.Tensor:
-        run = lambda x_sorted, counts: self.exchange(x_sorted, counts, local_experts)  # noqa: E731
-        return combine_expert_outputs(x, weights, ids, _num_experts(local_experts), run)
+        run = lambda x_sorted, sorted_counts: self.exchange(x_sorted, sorted_counts, local_experts)  # noqa: E731
+        return combine_expert_outputs(x, weights, ids, counts, run)
 
 
 def local_partial_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, local_experts: RoutedExperts,
@@ -130,7 +131,7 @@ def local_partial_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Ten
         ours = (torch.arange(x_sorted.shape[0], device=x_sorted.device) < counts[:local].sum())[:, None]
         return torch.where(ours, local_experts(torch.where(ours, x_sorted, 0), counts[:local]), 0)
 
-    return combine_expert_outputs(x, weights, local_ids, local + 1, run,
+    return combine_expert_outputs(x, weights, local_ids, expert_counts(local_ids, local + 1), run,
                                   out_dtype=torch.promote_types(x.dtype, torch.float32))
 
 
@@ -142,7 +143,7 @@ class AllGatherExpertParallel:
         self.group = mesh.get_group()
         self.rank, self.size = mesh.get_local_rank(), mesh.size()
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
                local_experts: RoutedExperts) -> torch.Tensor:
         top_k = ids.shape[1]
         tokens = all_gather(x, self.group)  # (ep * N, D)

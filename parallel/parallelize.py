@@ -5,6 +5,8 @@ parameters)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -19,7 +21,9 @@ from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 
 from .context_parallel import CPContext
-from .expert_parallel import AllGatherExpertParallel, ExpertParallel, shard_experts
+from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
+
+logger = logging.getLogger(__name__)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
@@ -35,14 +39,19 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
             module._cp = context
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "all_gather") -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "auto") -> None:
     """Split every MoE layer's routed experts over the EP mesh and route its tokens through `dispatch`'s exchange
-    (one per layer: the all-to-all keeps the layer's split sizes for the activation-checkpointing recompute)."""
-    exchange = {"all_gather": AllGatherExpertParallel, "all_to_all": ExpertParallel}[dispatch]
+    ("auto": by the EP size against the layer's top-k, `resolve_dispatch`; one exchange per layer: the all-to-all
+    keeps the layer's split sizes for the activation-checkpointing recompute)."""
+    exchanges = {"all_gather": AllGatherExpertParallel, "all_to_all": ExpertParallel}
+    chosen = set()
     for module in model.modules():
         if isinstance(module, SparseMoE):
             shard_experts(module.experts, ep_mesh)
-            module._ep = exchange(ep_mesh)
+            name = resolve_dispatch(dispatch, ep_mesh.size(), module.top_k)
+            module._ep = exchanges[name](ep_mesh)
+            chosen.add(name)
+    logger.info("expert parallelism: %d ranks, %s dispatch", ep_mesh.size(), " / ".join(sorted(chosen)))
 
 
 def _saved_ops() -> set:
@@ -150,12 +159,12 @@ def reshard_fsdp(model: nn.Module) -> None:
 def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype,
                            reduce_dtype: torch.dtype, ac_mode: str, compile: bool,
                            cp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
-                           expert_fsdp_mesh: DeviceMesh | None = None, expert_dispatch: str = "all_gather",
+                           expert_fsdp_mesh: DeviceMesh | None = None, expert_dispatch: str = "auto",
                            reshard_after_forward: bool = True) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
     context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
     group and the FSDP mesh of the experts' weights, None without expert parallelism; `expert_dispatch`: how
-    tokens reach the experts' ranks ("all_gather" or "all_to_all", parallel/expert_parallel.py).
+    tokens reach the experts' ranks ("auto", "all_gather" or "all_to_all", parallel/expert_parallel.py).
 
     One rank (one GPU, or a single process) gets no FSDP: its weights stay whole fp32 parameters and, given a
     `param_dtype`, the model computes in it (`model.compute_dtype`), casting each weight where it is used, as

@@ -143,29 +143,35 @@ class RoutedExperts(nn.Module):
         # run the exchange's backward (a collective) with the others.
         gate_up_proj, down_proj = self._weights(x.dtype)
         sizes = counts.tolist()
+        routed_rows = sum(sizes)
         outputs = []
-        for e, rows in enumerate(x[:sum(sizes)].split(sizes)):
+        for e, rows in enumerate(x[:routed_rows].split(sizes)):
             gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))
-        outputs.append(x.new_zeros(x.shape[0] - sum(sizes), down_proj.shape[1]))  # rows past the last expert's
+        outputs.append(x.new_zeros(x.shape[0] - routed_rows, down_proj.shape[1]))  # rows past the last expert's
         return torch.cat(outputs)
 
 
-def combine_expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(num_experts,) assignments per expert of the ids (any shape). Not torch.bincount, whose output size depends
+    on the data (a host sync on a GPU)."""
+    flat = ids.reshape(-1)
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def combine_expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
                            run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x (N, D), top-k weights and expert ids (N, k) -> (N, D): each token's k expert outputs, weighted and summed.
+    """x (N, D), top-k weights and expert ids (N, k), counts = expert_counts(ids, E) -> (N, D): each token's k
+    expert outputs, weighted and summed.
 
     The N * k (token, slot) assignments are sorted by expert so each expert sees a contiguous block;
-    `run_experts(x_sorted, counts)` maps those rows (counts (num_experts,): rows per expert) to the experts'
-    outputs; back in (token, slot) order the k outputs of a token are weighted and summed in one reduction (in
-    `out_dtype`, by default x's)."""
+    `run_experts(x_sorted, counts)` maps those rows to the experts' outputs; back in (token, slot) order the k
+    outputs of a token are weighted and summed in one reduction (in `out_dtype`, by default x's)."""
     num_tokens, top_k = ids.shape
-    flat_ids = ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
+    order = ids.reshape(-1).argsort(stable=True)
     slot_at = inverse_permutation(order)  # where each assignment landed
     x_sorted = gather_rows(x, order // top_k, slot_at, top_k)  # (N * k, D)
-    counts = flat_ids.new_zeros(num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
     routed = run_experts(x_sorted, counts)
     per_slot = gather_rows(routed, slot_at, order).view(num_tokens, top_k, -1)  # (N, k, D)
     return (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1, dtype=out_dtype)
@@ -189,12 +195,10 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
         probs, weights, ids = self.gate(x)
-        # Tokens per expert; not torch.bincount, whose output size depends on the data (a host sync on a GPU).
-        flat_ids = ids.reshape(-1)
-        counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        counts = expert_counts(ids, self.num_experts)
         if self._ep is None:
-            out = combine_expert_outputs(x, weights, ids, self.num_experts, self.experts)
+            out = combine_expert_outputs(x, weights, ids, counts, self.experts)
         else:
-            out = self._ep.routed(x, weights, ids, self.experts)
+            out = self._ep.routed(x, weights, ids, counts, self.experts)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (out + shared).reshape(shape), counts.detach().float(), probs.sum(dim=0)
