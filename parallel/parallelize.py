@@ -112,8 +112,14 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> None:
-    """FSDP2 per decoder block plus the root (embedding, final norm, lm_head). `reshard_after_forward` False
-    keeps every unit's gathered weights from its forward to its backward.
+    """FSDP2 per decoder block, the embedding, the lm_head, and the root (the final norm). `reshard_after_forward`
+    False keeps every unit's gathered weights from its forward to its backward.
+
+    The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
+    in torchtitan: in the root they were gathered before the first block and their gradients reduced after the
+    last block's backward, with no compute to hide either behind. Apart, the head is gathered while the last
+    block computes and its gradient (ready when its forward ends, linear_cross_entropy.py) is reduced while the
+    blocks' backward runs; only the embedding's gather and reduction stay at the step's two ends.
 
     Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
     ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
@@ -144,6 +150,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                             reshard_after_forward=reshard_after_forward)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     ignored_params=ignored or None)
+    if model.lm_head.weight is not model.embed_tokens.weight:  # tied, they share one parameter: the root keeps it
+        fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        # Its backward follows its forward at once: resharding in between would only gather it again.
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .gated_delta_net_fp32 import at_least_fp32
+from .linear import Linear
 
 IGNORE_INDEX = -100
 
@@ -106,3 +107,14 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
     for start in range(0, h.shape[0], chunk):
         total += _chunk_loss(h[start:start + chunk], weight, labels[start:start + chunk], want_grads=False)[0]
     return total
+
+
+class LMHead(Linear):
+    """The output projection: logits, or given labels the summed cross entropy above without them. The loss runs
+    inside this module's call so that FSDP's hooks, which gather the weight before it and reduce its gradient
+    after, frame it: the head is an FSDP unit of its own (parallel/parallelize.py)."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens)

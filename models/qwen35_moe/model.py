@@ -19,8 +19,7 @@ from torch import nn
 from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, context_parallel_layout, document_layout
-from .linear import Linear
-from .linear_cross_entropy import linear_cross_entropy_sum
+from .linear_cross_entropy import LMHead
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .init import init_weights
 from .moe import RouterStats, SparseMoE, load_balancing_loss
@@ -74,7 +73,7 @@ class Qwen35MoeModel(nn.Module):
         # A dict keyed by layer index keeps checkpoint keys stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, t) for i, t in enumerate(args.layer_types)})
         self.norm = ZeroCenteredRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = LMHead(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._cp = None  # context parallelism's exchanges, attached by the parallelize function
@@ -125,5 +124,5 @@ class Qwen35MoeModel(nn.Module):
         h = self.norm(h)
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(h), router_stats=stats)
-        ce_sum = linear_cross_entropy_sum(h.flatten(0, 1), self.lm_head.weight, labels.flatten(), loss_chunk_tokens)
+        ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens)
         return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum)
