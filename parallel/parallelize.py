@@ -112,14 +112,17 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> None:
-    """FSDP2 per decoder block, the embedding, the lm_head, and the root (the final norm). `reshard_after_forward`
-    False keeps every unit's gathered weights from its forward to its backward.
+    """FSDP2 units: each decoder block, each GDN layer's fp32 modules, the embedding, the lm_head, and the root (the
+    final norm). `reshard_after_forward` False keeps every unit's gathered weights from its forward to its backward;
+    True (the default) frees them, except where the backward comes at once or needs no weights:
 
-    The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
-    in torchtitan: in the root they were gathered before the first block and their gradients reduced after the
-    last block's backward, with no compute to hide either behind. Apart, the head is gathered while the last
-    block computes and its gradient (ready when its forward ends, linear_cross_entropy.py) is reduced while the
-    blocks' backward runs; only the embedding's gather and reduction stay at the step's two ends.
+    - The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
+      in torchtitan. In the root they were gathered before the first block and their gradients reduced after the
+      last block's backward, with no compute to hide either behind. Now the head is gathered while the blocks
+      compute and its gradient (ready when its forward ends, linear_cross_entropy.py) is reduced while the blocks'
+      backward runs.
+    - The lm_head and the last block stay gathered after their forward: their backward follows at once.
+    - The embedding is never gathered for backward: a lookup's backward needs the ids, not the table.
 
     Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
     ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
@@ -130,29 +133,35 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     where they are used instead (models/qwen35_moe/linear.py) and their gradients need no reduction.
 
     The fp32 contract (docs/design.md): each GDN layer's SSMGate (`linear_attn._fp32_params`) and output norm
-    (`linear_attn.norm`) is its own unit with an fp32 policy, so A_log, dt_bias and the norm weight are
-    all-gathered, used and given gradients in fp32 even when the rest of the block computes in bf16.
-    Their inputs are not cast (they upcast internally and return the caller's dtype).
+    (`linear_attn.norm`) form one unit with an fp32 policy, so A_log, dt_bias and the norm weight are all-gathered,
+    used and given gradients in fp32 even when the rest of the block computes in bf16. Their inputs are not cast
+    (they upcast internally and return the caller's dtype). The unit (~200 values) is gathered along with its block
+    and kept gathered until its backward: as two units gathered where they were used, they were collectives in
+    the middle of the block's forward and backward, each a point where both ranks' compute waited on the other.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # No cast: these units all-gather, compute and reduce in their parameters' own dtype, fp32 by contract.
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
-    for layer in model.layers.values():
+    layers = list(model.layers.values())
+    for index, layer in enumerate(layers):
         ignored = set()
+        keep = not reshard_after_forward or index == len(layers) - 1
+        fp32_modules = [module for module in layer.modules() if isinstance(module, Fp32ParamsModule)]
+        if fp32_modules:
+            fully_shard(fp32_modules, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
         for module in layer.modules():
-            if isinstance(module, Fp32ParamsModule):
-                fully_shard(module, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-            elif isinstance(module, RoutedExperts) and unsharded_experts:
+            if isinstance(module, RoutedExperts) and unsharded_experts:
                 ignored.update(module.parameters())
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
-                            reshard_after_forward=reshard_after_forward)
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                    ignored_params=ignored or None)
+                            reshard_after_forward=not keep)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
+        if fp32_modules:
+            layer.set_modules_to_forward_prefetch(fp32_modules[:1])
     if model.lm_head.weight is not model.embed_tokens.weight:  # tied, they share one parameter: the root keeps it
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        # Its backward follows its forward at once: resharding in between would only gather it again.
+        model.embed_tokens.set_unshard_in_backward(False)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 

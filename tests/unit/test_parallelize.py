@@ -111,6 +111,46 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
                                    rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the_embedding(one_rank_mesh):
+    """apply_fsdp's units, seen from which weights are gathered (plain tensors) or sharded (DTensors) when:
+    after forward the last block and the lm_head stay gathered (their backward comes first), the other blocks
+    and the embedding are resharded, and each GDN layer's fp32 modules (one unit) stay gathered; in backward the
+    embedding is never gathered (its lookup's backward needs only the ids), yet its gradient is the plain
+    model's; after backward everything is sharded again."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel.parallelize import apply_fsdp
+
+    plain = _model()
+    model = copy.deepcopy(plain)
+    apply_fsdp(model, one_rank_mesh, None, None)
+    gathered = lambda param: not isinstance(param, DTensor)  # noqa: E731
+    embedding_in_backward = []
+
+    def watch_backward(module, args, out):  # returns None: a forward hook's return value would replace the output
+        out.register_hook(lambda grad: embedding_in_backward.append(gathered(model.embed_tokens.weight)))
+    model.embed_tokens.register_forward_hook(watch_backward)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(64).expand(1, 64)
+    out = model(ids, positions)
+
+    *blocks, last = model.layers.values()
+    assert gathered(last.input_layernorm.weight) and gathered(model.lm_head.weight)
+    assert not any(gathered(block.input_layernorm.weight) for block in blocks)
+    assert not gathered(model.embed_tokens.weight)
+    gdn = [layer.linear_attn for layer in model.layers.values() if hasattr(layer, "linear_attn")]
+    assert gdn and all(gathered(m._fp32_params.A_log) and gathered(m.norm.weight) for m in gdn)
+
+    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
+    loss.backward()
+    assert embedding_in_backward == [False]
+    assert all(isinstance(param, DTensor) for param in model.parameters())
+    F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), dict(plain.named_parameters())[name].grad,
+                                   rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_mesh):
     """One GPU runs without FSDP (parallelize with no mesh and a param_dtype): fp32 weights cast where they are
     used. Reference: FSDP2's bf16 mixed precision on a one-rank mesh, which the trainer used before. Same bf16
