@@ -11,6 +11,7 @@ with it instead of torchrun's generic 1.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -91,4 +92,9 @@ def _record_exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Collect the finished trainer, and with it its process groups, while the interpreter is whole: a gloo worker
+    # thread still dropping its last collective once finalization has begun takes the GIL, is killed by Python,
+    # and aborts the process ("terminate called without an active exception", exit -6), at random under CPU load.
+    gc.collect()
+    sys.exit(code)

@@ -6,6 +6,7 @@ Writes <out>/rank<r>.json: {"units": [[start, stop], ...], "cache": folder, "row
 or <out>/rank<r>.error with the message when the build fails (then exits non-zero)."""
 
 import json
+import gc
 import os
 import sys
 from pathlib import Path
@@ -48,3 +49,4 @@ def main(dataset: str, cache_dir: str, out: str, unit_bytes: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(*sys.argv[1:])
+    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)

@@ -3,6 +3,8 @@ parallelism's dispatch, all-to-all and all-gather, parallel/expert_parallel.py) 
 process on every rank's tokens, in float64, eager and compiled. Raises (non-zero exit) on any difference beyond
 float64 summation order."""
 
+import gc
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -88,3 +90,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)

@@ -2,6 +2,7 @@
 use fp32), one forward / backward / AdamW step of the debug model at positions near 32k and 256k. Records what
 the fp32 contract promises and the rotary embedding's inputs and outputs; rank 0 saves them."""
 
+import gc
 import sys
 
 import torch
@@ -74,3 +75,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)

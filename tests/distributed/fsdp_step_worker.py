@@ -4,6 +4,7 @@ step's losses and grad norm and the full gradients.
 Run as one plain process or under torchrun (gloo); extra arguments are config overrides, after an optional
 `--skewed-routing` (see `skewed_router`)."""
 
+import gc
 import os
 import sys
 
@@ -84,3 +85,4 @@ def main(out_path: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)

@@ -1,6 +1,7 @@
 """Worker for test_hf_load: build the debug model through the trainer with checkpoint.initial_load_hf (rank 0
 reads, every rank keeps its shard) and save the full weights from rank 0. Extra arguments are config overrides."""
 
+import gc
 import os
 import sys
 
@@ -31,3 +32,4 @@ def main(out_path: str, hf_folder: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
