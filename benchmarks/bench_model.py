@@ -52,13 +52,17 @@ def step_losses(metrics: Path) -> dict[int, float]:
 
 def run_figures(metrics: Path, warmup: int) -> dict | None:
     """Medians over a run's steps after `warmup` (metrics.jsonl): tokens/s per device and MFU (None on CPU), and
-    the peak memory and last loss of the run; None if no step was timed."""
+    the peak memory and last loss of the run; None if no step was timed. Also the spread of those steps' rates:
+    their harmonic mean (the rate over their total time) and their lowest and highest; runs of the same code on
+    2 GPUs were seen to differ by 10% in median with per-step rates spread over 1.5x, so report more than one run."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     timed = [r for r in rows if r["step"] > warmup]
     if not timed:
         return None
     mfu = [r["mfu"] for r in timed if r["mfu"] is not None]
-    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+    rates = [r["tokens_per_sec"] for r in timed]
+    return {"tokens_per_sec": statistics.median(rates), "steps": len(rates),
+            "harmonic_tokens_per_sec": statistics.harmonic_mean(rates), "range": (min(rates), max(rates)),
             "mfu": statistics.median(mfu) if mfu else None,
             "max_memory_gib": max(r["max_memory_gib"] for r in rows), "final_loss": rows[-1]["loss"]}
 

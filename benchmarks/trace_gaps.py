@@ -5,12 +5,19 @@
 Prints the GPU's busy time (the union over streams) against the traced span, the idle gaps by size, and the idle
 time before each kernel attributed to the host ops that launched it (outermost two, and innermost non-aten one):
 a compiled step that is not faster than its GPU time says which host work to take away.
+
+Then the compute stream alone (the stream that ran the most kernels): a collective kernel (NCCL) counts as busy
+above even while it only waits for data, so under FSDP the GPU looks busy while its compute waits. Its gaps of
+at least --min-gap ms are split into those during which a collective ran (compute waiting on communication) and
+those with none (waiting on the host), the largest listed with the collectives across them. The trace may be
+gzipped (.json.gz).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 
 
@@ -44,12 +51,36 @@ def _parents(ops: list[dict]) -> dict[int, dict | None]:
     return parent
 
 
+def _compute_stream_gaps(kernels: list[dict], min_gap_us: float, top: int) -> None:
+    """The compute stream's idle gaps, each with the collectives that ran across it."""
+    stream_of = lambda k: k.get("args", {}).get("stream", k["tid"])  # noqa: E731
+    compute = collections.Counter(stream_of(k) for k in kernels).most_common(1)[0][0]
+    collectives = [k for k in kernels if "nccl" in k["name"].lower()]
+    rows, end = [], None
+    for k in (k for k in kernels if stream_of(k) == compute):
+        if end is not None and k["ts"] - end >= min_gap_us:
+            across = [c for c in collectives if c["ts"] < k["ts"] and c["ts"] + c["dur"] > end]
+            rows.append((k["ts"] - end, end, k, across))
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    waiting = sum(idle for idle, _, _, across in rows if across)
+    host = sum(idle for idle, _, _, across in rows if not across)
+    print(f"compute stream {compute}: idle {(waiting + host) / 1e3:.1f} ms in {len(rows)} gaps of >= "
+          f"{min_gap_us / 1e3:g} ms: {waiting / 1e3:.1f} ms while a collective ran, {host / 1e3:.1f} ms with none")
+    start = kernels[0]["ts"]
+    for idle, at, kernel, across in sorted(rows, key=lambda row: -row[0])[:top]:
+        names = ", ".join(f"{c['name'][:40]} ({c['dur'] / 1e3:.2f} ms)" for c in across) or "none"
+        print(f"{idle / 1e3:8.2f} ms at {(at - start) / 1e3:7.1f} ms, before {kernel['name'][:40]}; "
+              f"collectives: {names}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("trace", help="a rank's chrome trace (.json)")
+    parser.add_argument("trace", help="a rank's chrome trace (.json or .json.gz)")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--min-gap", type=float, default=0.2, help="the compute stream's gaps counted, in ms")
     args = parser.parse_args()
-    events = json.load(open(args.trace))["traceEvents"]
+    with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
                      key=lambda e: e["ts"])
     if not kernels:
@@ -79,6 +110,7 @@ def main() -> None:
         print(f"idle before kernels launched under ({title}):")
         for name, idle in counter.most_common(args.top):
             print(f"{idle / 1e3:8.2f} ms  {name}")
+    _compute_stream_gaps(kernels, args.min_gap * 1e3, args.top)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ the full model, the routed-expert GEMMs are smaller groups.
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --work /tmp/cp2 -- \
         --parallelism.context_parallel_degree 2 --training.seq_len 32768
 
-Prints the median tokens/s per GPU, MFU and peak memory over the steps after warm-up (rank 0). Under torchrun
-give every rank the same --work folder. A run that does not fit prints "bench: out of memory" and exits 3.
+Prints the median tokens/s per GPU, MFU and peak memory over the steps after warm-up, and the spread of those steps'
+rates (rank 0). Under torchrun give every rank the same --work folder. A run that does not fit prints "bench: out of
+memory" and exits 3.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def main_bench() -> int:
     tps, mfu = figures["tokens_per_sec"], figures["mfu"]
     print(f"bench: layers={ns.layers} experts={ns.experts} overrides={' '.join(ns.overrides)}")
     print(f"bench: median tokens/s per device {tps:,.0f}  MFU {'n/a' if mfu is None else f'{mfu:.1%}'}")
+    low, high = figures["range"]
+    print(f"bench: {figures['steps']} steps timed: harmonic mean {figures['harmonic_tokens_per_sec']:,.0f} tokens/s, "
+          f"per step {low:,.0f}-{high:,.0f}")
     print(f"bench: peak memory {figures['max_memory_gib']:.1f} GiB  final loss {figures['final_loss']:.3f}")
     return 0
 

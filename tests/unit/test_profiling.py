@@ -59,3 +59,31 @@ def test_trace_gaps_counts_idle_time_once_over_streams_and_names_the_launching_o
                          capture_output=True, text=True, check=True).stdout
     assert "GPU busy 0.6 ms of 1.0 ms traced; idle 0.4 ms in 1 gaps" in out
     assert "0.40 ms  Optimizer.step#FastAdam.step > cudaLaunchKernel" in out
+
+
+def test_trace_gaps_splits_the_compute_streams_idle_time_by_whether_a_collective_ran(tmp_path):
+    """benchmarks/trace_gaps.py's compute-stream view on a hand-made gzipped trace: stream 7 (the most kernels)
+    idles 0.5 ms while an NCCL kernel on stream 9 runs across the gap (FSDP's compute waiting on a gather; the
+    GPU-wide view counts it busy) and 0.3 ms with no collective (waiting on the host); a 0.1 ms gap is below
+    --min-gap 0.2 and not counted."""
+    import gzip
+    import subprocess
+    import sys
+
+    def kernel(name, ts, dur, stream):
+        return {"name": name, "cat": "kernel", "ts": ts, "dur": dur, "pid": 0, "tid": stream,
+                "args": {"stream": stream}}
+
+    events = [kernel("gemm", 0, 100, 7), kernel("ncclDevKernel_AllGather_RING_LL", 50, 600, 9),
+              kernel("gemm", 600, 100, 7),  # 500 us after the first, the gather across it
+              kernel("norm", 1000, 100, 7),  # 300 us after, nothing else running
+              kernel("gemm", 1200, 100, 7)]  # 100 us: below --min-gap
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_gaps.py"), str(path),
+                          "--min-gap", "0.2"], capture_output=True, text=True, check=True).stdout
+    assert ("compute stream 7: idle 0.8 ms in 2 gaps of >= 0.2 ms: 0.5 ms while a collective ran, 0.3 ms with "
+            "none") in out
+    assert "0.50 ms at     0.1 ms, before gemm; collectives: ncclDevKernel_AllGather_RING_LL (0.60 ms)" in out
+    assert "0.30 ms at     0.7 ms, before norm; collectives: none" in out
