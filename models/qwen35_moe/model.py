@@ -82,6 +82,15 @@ class Qwen35MoeModel(nn.Module):
         # (linear.py). None: the embedding weight's dtype.
         self.compute_dtype: torch.dtype | None = None
 
+    def _apply(self, fn, recurse=True):
+        # `to_empty`, `.to()` and the like give each module a new Parameter for every tensor they convert (a tensor
+        # on the meta device cannot be converted in place), so the two modules' shared one would come out as two:
+        # a "tied" model built on meta trained two matrices and exported one.
+        result = super()._apply(fn, recurse)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        return result
+
     def init_weights(self, seed: int = 0) -> None:
         """HF-like init (rules in init.py), drawn per parameter from (seed, name): the same weights for the
         same seed whether the model is whole or sharded over any mesh."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.qwen35_moe import Qwen35MoeStateDictAdapter, from_pretrained, save_hf_checkpoint
+from tests.builders import initialized_model
 from tests.hf_reference import TINY_HF_CONFIG, build_hf_model, force_transformers_torch_kernels
 
 # fp32 end to end; the two models order a few reductions differently (chunked vs whole-sequence
@@ -60,6 +61,28 @@ def test_loss_gradients_match_transformers(hf_pair):
         worst = max(worst, rel)
         assert rel < 1e-4, f"{name}: relative grad error {rel:.3e}"
     assert worst < 1e-4
+
+
+def test_tied_embeddings_are_one_parameter_with_transformers_gradient(tmp_path, monkeypatch):
+    """tie_word_embeddings: loaded from an HF folder (built on the meta device, then materialised), the lm_head is
+    the embedding, one parameter whose gradient sums both uses, as in transformers; and the training path's
+    model (meta, to_empty, init) keeps the tie too. Before, materialising gave the two modules a parameter each:
+    the tied model trained two matrices."""
+    force_transformers_torch_kernels(monkeypatch)
+    hf = build_hf_model({**TINY_HF_CONFIG, "tie_word_embeddings": True})
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    hf.save_pretrained(tmp_path / "hf")
+    native = from_pretrained(tmp_path / "hf")
+    assert native.lm_head.weight is native.embed_tokens.weight
+    ids, labels, vocab = _inputs(seed=2, seq=80), _inputs(seed=3, seq=80), TINY_HF_CONFIG["vocab_size"]
+    F.cross_entropy(hf(input_ids=ids).logits.reshape(-1, vocab), labels.reshape(-1)).backward()
+    F.cross_entropy(native(ids).logits.reshape(-1, vocab), labels.reshape(-1)).backward()
+    ref = hf.model.embed_tokens.weight.grad
+    rel = ((native.embed_tokens.weight.grad - ref).norm() / ref.norm()).item()
+    assert rel < 1e-4, f"tied embedding: relative grad error {rel:.3e}"
+
+    trained = initialized_model(native.args)
+    assert trained.lm_head.weight is trained.embed_tokens.weight
 
 
 def _router_stats(moe, x):

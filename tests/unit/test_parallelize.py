@@ -151,6 +151,26 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
                                    rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_fsdp_keeps_tied_embeddings_one_parameter_in_the_root(one_rank_mesh):
+    """tie_word_embeddings under apply_fsdp: the shared weight stays one parameter (in the root unit, not split
+    into the embedding's and the lm_head's units), and its gradient, the sum of both uses, is the plain model's."""
+    import dataclasses
+
+    from parallel.parallelize import apply_fsdp
+
+    plain = initialized_model(dataclasses.replace(get_flavor("debugmodel"), tie_word_embeddings=True))
+    assert plain.lm_head.weight is plain.embed_tokens.weight
+    model = copy.deepcopy(plain)
+    apply_fsdp(model, one_rank_mesh, None, None)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(64).expand(1, 64)
+    for m in (model, plain):
+        F.cross_entropy(m(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
+    torch.testing.assert_close(model.embed_tokens.weight.grad.full_tensor(), plain.embed_tokens.weight.grad,
+                               rtol=1e-5, atol=1e-7)
+
+
 def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_mesh):
     """One GPU runs without FSDP (parallelize with no mesh and a param_dtype): fp32 weights cast where they are
     used. Reference: FSDP2's bf16 mixed precision on a one-rank mesh, which the trainer used before. Same bf16
