@@ -263,7 +263,7 @@ class Trainer:
                 # A due step is logged one step late, once this step is queued: reading it then does not drain
                 # the GPU's queue, which with log_freq 1 left the GPU idle at every step's start while the host
                 # queued the next forward. The first and last steps, and any step that validates, saves or stops,
-                # are read at once.
+                # are read at once, and so is every step where the device does not run ahead (`read_late`).
                 if log_due is not None:
                     log(log_due)
                     log_due = None
@@ -272,8 +272,8 @@ class Trainer:
                 validate = self.validator is not None and (self.step % cfg.validation.freq == 0
                                                            or self.step == cfg.training.steps)
                 stop = self.stop.agreed(self.cpu_group)
-                if log_due is not None and (self.step in (1, cfg.training.steps) or validate or stop
-                                            or self._save_due()):
+                if log_due is not None and (not self.read_late or self.step in (1, cfg.training.steps) or validate
+                                            or stop or self._save_due()):
                     log(log_due)
                     log_due = None
                 if validate:
@@ -291,6 +291,13 @@ class Trainer:
             profiler.close()
             self.metrics.close()
         return self.last
+
+    @property
+    def read_late(self) -> bool:
+        """Whether a due step's metrics wait until the next step is queued: only a device that runs behind the host
+        (CUDA) gains. On CPU a step has run when it returns, so a late read gains nothing and would count the next
+        step's time in this step's tokens/s (and almost none in the last step's: millions of tokens/s logged)."""
+        return self.device.type == "cuda"
 
     def _save_due(self) -> bool:
         ckpt = self.cfg.checkpoint

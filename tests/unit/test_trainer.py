@@ -216,9 +216,9 @@ def test_garbage_collection_runs_every_gc_freq_steps_and_is_restored(tmp_path, m
 
 
 def test_a_due_step_is_read_after_the_next_step_is_queued(tmp_path, monkeypatch):
-    """With log_freq 1 the host reads step t's metrics only once step t + 1 is queued (a read waits for the GPU: made
-    at once it leaves the GPU idle while the host queues the next forward); the first and last steps and a step
-    that saves are read at once. Every step is still logged, with its own values."""
+    """With log_freq 1 on CUDA the host reads step t's metrics only once step t + 1 is queued (a read waits for the
+    GPU: made at once it leaves the GPU idle while the host queues the next forward); the first and last steps and
+    a step that saves are read at once. Every step is still logged, with its own values."""
     from harness.trainer import Trainer
     reads = []  # (steps read, step queued last) per host read
     real_read = Trainer._read
@@ -228,6 +228,12 @@ def test_a_due_step_is_read_after_the_next_step_is_queued(tmp_path, monkeypatch)
         return real_read(self, pending)
 
     monkeypatch.setattr(Trainer, "_read", spy)
+    # On CPU each step is read as soon as it has run (a late read gains nothing where the device does not run
+    # ahead, and would count the next step's time in this step's rate).
+    assert _run(tmp_path / "cpu", "--training.steps", "3") == 0
+    assert reads == [([1], 1), ([2], 2), ([3], 3)]
+    reads.clear()
+    monkeypatch.setattr(Trainer, "read_late", True)  # as on CUDA
     assert _run(tmp_path, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "4") == 0
     assert reads == [([1], 1), ([2], 3), ([3], 4), ([4], 4), ([5], 6), ([6], 6)]
     rows = _metrics(tmp_path)
