@@ -144,6 +144,34 @@ def test_a_checkpoint_moves_between_expert_parallel_and_fsdp(uninterrupted, tmp_
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
 
+def test_a_tied_model_resumes_on_two_ranks_bitwise_and_exports_one_matrix(tmp_path):
+    """tie_word_embeddings through FSDP's checkpoint: the shared weight (one parameter, in the root unit) saves and
+    resumes, the resumed steps equal the uninterrupted run's bit for bit, and the export writes the one matrix
+    (no lm_head.weight), which loads back tied."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from models.qwen35_moe import from_pretrained, get_flavor
+
+    config = tmp_path / "config.json"
+    args = dataclasses.replace(get_flavor("debugmodel"), tie_word_embeddings=True)
+    config.write_text(json.dumps(args.to_hf_config()))
+    tied = ("--model.hf_config", str(config), "--checkpoint.interval", "4")
+    run(tmp_path / "full", 2, *tied)
+    shutil.copytree(tmp_path / "full", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-8")  # as if the job had died after step 4's save
+    metrics = tmp_path / "run" / "metrics.jsonl"  # keep steps 1-4: steps 5-8 must come from the resumed run
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:4]))
+    assert "resumed from checkpoint" in run(tmp_path / "run", 2, *tied).stderr
+    assert losses(tmp_path / "run") == losses(tmp_path / "full")
+    hf = tmp_path / "run" / "hf"
+    keys = {key for path in hf.glob("*.safetensors") for key in safe_open(path, "pt").keys()}
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    model = from_pretrained(hf)
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
 def test_async_saves_on_two_ranks_change_nothing_and_complete(uninterrupted, tmp_path):
     run(tmp_path, 2, "--checkpoint.interval", "4", "--checkpoint.async_mode", "async")
     assert losses(tmp_path) == losses(uninterrupted / "ref2")
