@@ -157,7 +157,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
                             reshard_after_forward=not keep)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
-        if fp32_modules:
+        if fp32_modules:  # one member names the whole group: they share one FSDP state
             layer.set_modules_to_forward_prefetch(fp32_modules[:1])
     if model.lm_head.weight is not model.embed_tokens.weight:  # tied, they share one parameter: the root keeps it
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -5,8 +5,8 @@ on GPUs when DATA_RANKS_BACKEND=nccl (the trainer's order: set the device, then 
 Writes <out>/rank<r>.json: {"units": [[start, stop], ...], "cache": folder, "rows": first batch's input_ids},
 or <out>/rank<r>.error with the message when the build fails (then exits non-zero)."""
 
-import json
 import gc
+import json
 import os
 import sys
 from pathlib import Path

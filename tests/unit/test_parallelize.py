@@ -26,6 +26,13 @@ def _loss_and_grads(model, ids, positions):
     return loss.item(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
 
 
+def _assert_sharded_grads_match(sharded, plain):
+    """Every parameter's gradient of an FSDP model (DTensors) against the same model run whole, in fp32."""
+    plain_params = dict(plain.named_parameters())
+    for name, param in sharded.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor(), plain_params[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_loss_grads_and_keys(mode):
     plain = _model()
@@ -106,9 +113,7 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
     ref = F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad.full_tensor(), dict(plain.named_parameters())[name].grad,
-                                   rtol=1e-5, atol=1e-7, msg=name)
+    _assert_sharded_grads_match(model, plain)
 
 
 def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the_embedding(one_rank_mesh):
@@ -146,9 +151,7 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
     assert embedding_in_backward == [False]
     assert all(isinstance(param, DTensor) for param in model.parameters())
     F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad.full_tensor(), dict(plain.named_parameters())[name].grad,
-                                   rtol=1e-5, atol=1e-7, msg=name)
+    _assert_sharded_grads_match(model, plain)
 
 
 def test_fsdp_keeps_tied_embeddings_one_parameter_in_the_root(one_rank_mesh):
@@ -167,8 +170,7 @@ def test_fsdp_keeps_tied_embeddings_one_parameter_in_the_root(one_rank_mesh):
     positions = torch.arange(64).expand(1, 64)
     for m in (model, plain):
         F.cross_entropy(m(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
-    torch.testing.assert_close(model.embed_tokens.weight.grad.full_tensor(), plain.embed_tokens.weight.grad,
-                               rtol=1e-5, atol=1e-7)
+    _assert_sharded_grads_match(model, plain)  # the tied weight's among them
 
 
 def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_mesh):
