@@ -132,6 +132,10 @@ class Parallelism:
     # "never": each block keeps its gathered (bf16) weights from forward to backward: no second all-gather and
     # cast per step, for the memory of the whole model's gathered weights; "default" = "always" (free them)
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    # The embedding and the lm_head vocabulary-parallel (parallel/vocab_parallel.py): their weights stay sharded by
+    # rows and each rank serves its rows to every rank's tokens, so FSDP never gathers them nor reduces their whole
+    # gradients. "auto": where that moves fewer bytes (FSDP ranks x tokens per rank <= vocabulary size).
+    vocab_parallel: Literal["auto", "always", "never"] = "auto"
 
 
 @dataclass

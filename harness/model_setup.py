@@ -15,6 +15,7 @@ from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
+from parallel.vocab_parallel import resolve_vocab_parallel
 
 from .hf_weights import load_hf_weights
 from .config import JobConfig
@@ -31,6 +32,15 @@ def build_model_args(cfg: JobConfig, vocab_size: int) -> Qwen35MoeArgs:
             f"tokenizer has {vocab_size} tokens but model flavor {cfg.model.flavor!r} has vocab_size "
             f"{args.vocab_size}; pick a matching tokenizer or model")
     return args
+
+
+def _vocab_parallel(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes) -> bool:
+    shard_ranks = meshes.fsdp.size(meshes.fsdp.ndim - 1)
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len // cfg.parallelism.context_parallel_degree
+    chosen = resolve_vocab_parallel(cfg.parallelism.vocab_parallel, args.vocab_size, shard_ranks, tokens)
+    if meshes.fsdp.size() > 1:
+        logger.info("embedding and lm_head: %s", f"vocabulary-parallel over {shard_ranks} ranks" if chosen else "FSDP")
+    return chosen
 
 
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
@@ -58,7 +68,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
                            cp_mesh=meshes.cp if meshes else None, ep_mesh=meshes.ep if meshes else None,
                            expert_fsdp_mesh=meshes.expert_fsdp if meshes else None,
                            expert_dispatch=cfg.parallelism.expert_parallel_dispatch,
-                           reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward != "never")
+                           reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward != "never",
+                           vocab_parallel=meshes is not None and _vocab_parallel(cfg, args, meshes))
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:

@@ -22,6 +22,7 @@ from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 
 from .context_parallel import CPContext
 from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
+from .vocab_parallel import apply_vocab_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,11 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> None:
+               expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
+               vocab_parallel: bool = False) -> None:
     """FSDP2 units: each decoder block, each GDN layer's fp32 modules, the embedding, the lm_head, and the root (the
-    final norm). `reshard_after_forward` False keeps every unit's gathered weights from its forward to its backward;
+    final norm). With `vocab_parallel` the embedding and the lm_head are not FSDP's: their weights stay sharded by
+    rows over the same mesh and the tokens travel instead (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every unit's gathered weights from its forward to its backward;
     True (the default) frees them, except where the backward comes at once or needs no weights:
 
     - The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
@@ -159,11 +162,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
         if fp32_modules:  # one member names the whole group: they share one FSDP state
             layer.set_modules_to_forward_prefetch(fp32_modules[:1])
-    if model.lm_head.weight is not model.embed_tokens.weight:  # tied, they share one parameter: the root keeps it
+    vocab_params = apply_vocab_parallel(model, mesh, param_dtype) if vocab_parallel else []
+    # Tied, the two share one parameter: the root keeps it.
+    if not vocab_parallel and model.lm_head.weight is not model.embed_tokens.weight:
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         model.embed_tokens.set_unshard_in_backward(False)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                ignored_params=set(vocab_params) or None)
 
 
 def reshard_fsdp(model: nn.Module) -> None:
@@ -179,11 +185,12 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
                            reduce_dtype: torch.dtype, ac_mode: str, compile: bool,
                            cp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
                            expert_fsdp_mesh: DeviceMesh | None = None, expert_dispatch: str = "auto",
-                           reshard_after_forward: bool = True) -> nn.Module:
+                           reshard_after_forward: bool = True, vocab_parallel: bool = False) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
     context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
     group and the FSDP mesh of the experts' weights, None without expert parallelism; `expert_dispatch`: how
-    tokens reach the experts' ranks ("auto", "all_gather" or "all_to_all", parallel/expert_parallel.py).
+    tokens reach the experts' ranks ("auto", "all_gather" or "all_to_all", parallel/expert_parallel.py);
+    `vocab_parallel`: the embedding and the lm_head vocabulary-parallel over the FSDP mesh (vocab_parallel.py).
 
     One rank (one GPU, or a single process) gets no FSDP: its weights stay whole fp32 parameters and, given a
     `param_dtype`, the model computes in it (`model.compute_dtype`), casting each weight where it is used, as
@@ -200,7 +207,7 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
         apply_compile(model)
     apply_activation_checkpointing(model, ac_mode)
     if mesh is not None and mesh.size() > 1:
-        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward)
+        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_parallel)
     else:  # one rank: nothing to shard; the fp32 weights are cast where they are used (linear.py)
         model.compute_dtype = param_dtype
     return model

@@ -11,6 +11,13 @@ On CUDA with half-precision logits a chunk's loss and logits' gradient come from
 (cross_entropy_kernel.py: the same fp32 math per element, the gradient written in place of the bf16 logits, no
 fp32 copy), and the weight's gradient is accumulated by GEMMs with fp32 output. Elsewhere (CPU, fp32 or fp64
 logits) plain torch ops compute the same, the reference the kernel is tested against.
+
+Vocabulary-parallel (given a `vocab` shard, parallel/vocab_parallel.py): the weight is this rank's slice of the
+vocabulary rows, and the hidden states and labels are gathered from every rank of the shard group, so each rank
+computes its slice of every gathered token's logits. Per chunk the ranks combine their slices' (max, sum of
+exponentials, label logit) into each row's log-sum-exp (one small all-gather), then each writes its slice of the
+logits' gradient. The weight's gradient is then whole for the slice (every token's contribution) and the hidden
+states' gradients are summed over the slices on their own rank (one reduce-scatter): the weight never travels.
 """
 
 from __future__ import annotations
@@ -23,13 +30,20 @@ from .linear import Linear
 IGNORE_INDEX = -100
 
 
-def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grads: bool):
-    """Summed cross entropy of one chunk, and (if want_grads) d loss / d logits in the logits' compute dtype."""
+def _use_kernel(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16)
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grads: bool, vocab=None):
+    """Cross entropy of each row of one chunk (fp32), and (if want_grads) d loss / d logits in the logits' compute
+    dtype. `vocab`: the vocabulary-parallel shard whose slice of the rows `weight` holds (None: all of them)."""
     logits = h @ weight.t()
-    if logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16):  # one fused kernel, same fp32 math
+    if vocab is not None:
+        return _slice_chunk_loss(logits, labels, want_grads, h.dtype, vocab)
+    if _use_kernel(logits):  # one fused kernel, same fp32 math
         from .cross_entropy_kernel import cross_entropy_rows_
 
-        loss = cross_entropy_rows_(logits, labels, IGNORE_INDEX, write_grad=want_grads).sum()
+        loss = cross_entropy_rows_(logits, labels, IGNORE_INDEX, write_grad=want_grads)
         return loss, logits if want_grads else None
     return _torch_chunk_loss(logits, labels, want_grads, h.dtype)
 
@@ -41,13 +55,58 @@ def _torch_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bo
     target = torch.where(valid, labels, 0)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
-    loss = torch.where(valid, lse - picked, 0).sum()
+    loss = torch.where(valid, lse - picked, 0)
     if not want_grads:
         return loss, None
     probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
     probs[torch.arange(len(target), device=probs.device), target] -= 1.0
     probs.mul_(valid.unsqueeze(1).to(probs.dtype))
     return loss, probs.to(grad_dtype)
+
+
+def _slice_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bool, grad_dtype: torch.dtype, vocab):
+    """_chunk_loss of logits over vocabulary ids vocab.start ... (this rank's slice): the ranks' per-row slice
+    statistics are combined by `vocab.combine` into the whole vocabulary's log-sum-exp and label logit."""
+    kernel = _use_kernel(logits)
+    if kernel:
+        from .cross_entropy_kernel import softmax_grad_, vocab_slice_stats
+
+        stats = vocab_slice_stats(logits, labels, vocab.start)
+    else:
+        logits = logits.to(at_least_fp32(logits.dtype))
+        stats = _torch_slice_stats(logits, labels, vocab.start)
+    lse, target_logit = vocab.combine(stats)
+    valid = labels != IGNORE_INDEX
+    loss = torch.where(valid, lse - target_logit, 0)
+    if not want_grads:
+        return loss, None
+    if kernel:
+        return loss, softmax_grad_(logits, labels, lse, vocab.start, IGNORE_INDEX)
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # the slice of the softmax, in place of the upcast logits
+    local = labels - vocab.start
+    here = torch.nonzero((local >= 0) & (local < logits.shape[1])).squeeze(1)
+    probs[here, local[here]] -= 1.0
+    probs.mul_(valid.unsqueeze(1).to(probs.dtype))
+    return loss, probs.to(grad_dtype)
+
+
+def _torch_slice_stats(logits: torch.Tensor, labels: torch.Tensor, start: int) -> torch.Tensor:
+    """(N, 3): each row's max m over the slice, sum(exp(x - m)), and the label's logit where the label is in the
+    slice (else 0). The reference of cross_entropy_kernel.vocab_slice_stats."""
+    top = logits.amax(1)
+    sums = (logits - top.unsqueeze(1)).exp().sum(1)
+    local = labels - start
+    here = (local >= 0) & (local < logits.shape[1])
+    picked = logits.gather(1, torch.where(here, local, 0).unsqueeze(1)).squeeze(1)
+    return torch.stack((top, sums, torch.where(here, picked, 0)), dim=1)
+
+
+def combine_slice_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """stats (slices, N, 3), each slice's (max, sum of exponentials, label logit) per row -> each row's log-sum-exp
+    over all the slices and its label's logit."""
+    top = stats[..., 0].amax(0)
+    total = (stats[..., 1] * (stats[..., 0] - top).exp()).sum(0)
+    return top + total.log(), stats[..., 2].sum(0)
 
 
 def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
@@ -65,24 +124,37 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
         out.copy_(a @ b)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, labels, chunk: int):
-        # The weight's gradient is returned in the weight's own dtype, so an fp32 weight cast here (one GPU without
-        # FSDP, linear.py) gets its fp32 gradient without a rounding to h's dtype on the way.
-        ctx.dtypes = h.dtype, weight.dtype
-        weight = weight.to(h.dtype)
-        acc = at_least_fp32(h.dtype)
-        total = torch.zeros((), dtype=acc, device=h.device)
+def _chunked(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, want_grads: bool, vocab):
+    """The summed cross entropy of h's rows and, if want_grads, its gradients with respect to h and the weight (fp32,
+    at least), chunk by chunk: each chunk's logits' gradient is consumed at once by two GEMMs. Under a `vocab`
+    shard the rows are first gathered from the shard group, and the loss and h's gradient are this rank's rows'."""
+    if vocab is not None:  # chunks of as many logits as without the shard
+        h, labels, chunk = vocab.gather(h), vocab.gather(labels), chunk * vocab.size
+    acc = at_least_fp32(h.dtype)
+    losses = torch.empty(h.shape[0], dtype=acc, device=h.device)
+    grad_h = grad_w = None
+    if want_grads:
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
         # The first chunk's GEMM writes it, the others add to it (zeros if there are no tokens).
         grad_w = (torch.empty if h.shape[0] else torch.zeros)(weight.shape, dtype=acc, device=weight.device)
-        for start in range(0, h.shape[0], chunk):
-            hs, ys = h[start:start + chunk], labels[start:start + chunk]
-            loss, dlogits = _chunk_loss(hs, weight, ys, want_grads=True)
-            total += loss
+    for start in range(0, h.shape[0], chunk):
+        hs, ys = h[start:start + chunk], labels[start:start + chunk]
+        losses[start:start + chunk], dlogits = _chunk_loss(hs, weight, ys, want_grads, vocab)
+        if want_grads:
             _matmul_into(grad_h[start:start + chunk], dlogits, weight, accumulate=False)
             _matmul_into(grad_w, dlogits.t(), hs, accumulate=start > 0)
+    if vocab is None:
+        return losses.sum(), grad_h, grad_w
+    return vocab.own(losses).sum(), None if grad_h is None else vocab.scatter_sum(grad_h), grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk: int, vocab):
+        # The weight's gradient is returned in the weight's own dtype, so an fp32 weight cast here (one GPU without
+        # FSDP, linear.py) gets its fp32 gradient without a rounding to h's dtype on the way.
+        ctx.dtypes, ctx.vocab = (h.dtype, weight.dtype), vocab
+        total, grad_h, grad_w = _chunked(h, weight.to(h.dtype), labels, chunk, True, vocab)
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
@@ -90,23 +162,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
+        # Under a vocab shard the weight's gradient holds every rank's tokens: the shard finishes it.
+        grad_w = grad_w * grad_total if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
         return ((grad_h * grad_total).to(h_dtype) if ctx.needs_input_grad[0] else None,
-                (grad_w * grad_total).to(w_dtype) if ctx.needs_input_grad[1] else None, None, None)
+                grad_w.to(w_dtype) if ctx.needs_input_grad[1] else None, None, None, None)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int = 1024) -> torch.Tensor:
+                             chunk_tokens: int = 1024, vocab=None) -> torch.Tensor:
     """sum over tokens of cross_entropy(h @ weight.T, labels), labels == -100 ignored; h (N, D), weight (V, D),
     labels (N,). Returns an fp32 scalar (fp64 for fp64 inputs). chunk_tokens <= 0: all tokens in one chunk. The
-    logits are computed in h's dtype (the weight is cast to it)."""
+    logits are computed in h's dtype (the weight is cast to it).
+
+    `vocab`: a vocabulary-parallel shard (parallel/vocab_parallel.py) and `weight` its slice of the rows (a plain
+    tensor): the loss of this rank's tokens. Every rank of the shard group calls it with as many tokens."""
     chunk = chunk_tokens if chunk_tokens > 0 else max(h.shape[0], 1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h, weight, labels, chunk)
-    total = torch.zeros((), dtype=at_least_fp32(h.dtype), device=h.device)
-    weight = weight.to(h.dtype)
-    for start in range(0, h.shape[0], chunk):
-        total += _chunk_loss(h[start:start + chunk], weight, labels[start:start + chunk], want_grads=False)[0]
-    return total
+        return _LinearCrossEntropy.apply(h, weight, labels, chunk, vocab)
+    return _chunked(h, weight.to(h.dtype), labels, chunk, False, vocab)[0]
 
 
 class LMHead(Linear):
@@ -114,7 +187,11 @@ class LMHead(Linear):
     inside this module's call so that FSDP's hooks, which gather the weight before it and reduce its gradient
     after, frame it: the head is an FSDP unit of its own (parallel/parallelize.py)."""
 
+    _vocab_parallel = None  # the vocabulary-parallel exchange (parallel/vocab_parallel.py) when the weight is a slice
+
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024) -> torch.Tensor:
+        if self._vocab_parallel is not None:
+            return self._vocab_parallel.head(h, self.weight, labels, chunk_tokens)
         if labels is None:
             return super().forward(h)
         return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens)

@@ -42,6 +42,17 @@ class CausalLMOutput:
         return load_balancing_loss(self.router_stats)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding, or the vocabulary-parallel lookup (parallel/vocab_parallel.py) once its table is sharded."""
+
+    _vocab_parallel = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._vocab_parallel is not None:
+            return self._vocab_parallel.embed(ids, self.weight)
+        return super().forward(ids)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: Qwen35MoeArgs, layer_type: str):
         super().__init__()
@@ -69,7 +80,7 @@ class Qwen35MoeModel(nn.Module):
     def __init__(self, args: Qwen35MoeArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         # A dict keyed by layer index keeps checkpoint keys stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, t) for i, t in enumerate(args.layer_types)})
         self.norm = ZeroCenteredRMSNorm(args.hidden_size, eps=args.rms_norm_eps)

@@ -79,7 +79,8 @@ def main(out_path: str, *overrides: str) -> None:
     out = trainer.train_step([batch])
     grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
     if trainer.rank == 0:
-        torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation}, out_path)
+        torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation,
+                    "vocab_parallel": trainer.model.embed_tokens._vocab_parallel is not None}, out_path)
     trainer.close()
 
 

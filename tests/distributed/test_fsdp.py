@@ -1,6 +1,7 @@
 """Parallel layouts on CPU ranks (gloo) against one process, through the trainer and the real data pipeline:
-FSDP and HSDP on 2 ranks, context parallelism on 2 ranks and CP=2 x FSDP=2 on 4, expert parallelism on 2 and 4
-ranks alone and with FSDP, HSDP and CP. The same seed gives the same initial weights, and the same global batch
+FSDP and HSDP on 2 ranks (the embedding and the lm_head vocabulary-parallel, and as FSDP units), HSDP 2 x 2,
+context parallelism on 2 ranks and CP=2 x FSDP=2 on 4, expert parallelism on 2 and 4 ranks alone and with FSDP,
+HSDP and CP. The same seed gives the same initial weights, and the same global batch
 gives the same loss, MoE balance loss, validation loss and gradients, whatever the layout (in float64, where only
 summation order differs)."""
 
@@ -53,7 +54,13 @@ LAYOUTS = {  # name: (processes, config overrides)
     "cp2_selective_ac": (2, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
     # gathered weights kept from forward to backward, also through full AC's recompute
     "fsdp2_no_reshard": (2, ["--parallelism.fsdp_reshard_after_forward", "never", "--activation_checkpoint.mode", "full"]),
+    # the embedding and the lm_head as FSDP units, where every layout above takes them vocabulary-parallel ("auto")
+    "fsdp2_vocab_fsdp": (2, ["--parallelism.vocab_parallel", "never"]),
+    # vocabulary-parallel over the 2 shards, the replicas' gradients summed by an all-reduce
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
 }
+# Where the embedding and the lm_head are FSDP units: HSDP over one shard per replica has nothing to split.
+VOCAB_FSDP = {"hsdp2", "fsdp2_vocab_fsdp"}
 EP = "--parallelism.expert_parallel_degree"
 EP_LAYOUTS = {  # unbalanced routing (SKEWED): under EP=4, rank 0's two experts receive no token from any rank
     "ep2": (2, [EP, "2"]),
@@ -78,7 +85,9 @@ def test_ranks_match_single_process(single, name):
     tmp, ref = single
     nproc, layout = LAYOUTS[name]
     run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), *layout], tmp)
-    assert_same_step(torch.load(tmp / f"{name}.pt"), ref)
+    got = torch.load(tmp / f"{name}.pt")
+    assert got["vocab_parallel"] == (name not in VOCAB_FSDP)
+    assert_same_step(got, ref)
 
 
 @pytest.mark.parametrize("name", list(EP_LAYOUTS))
@@ -89,6 +98,7 @@ def test_expert_parallel_matches_single_process(single_skewed, name):
     nproc, layout = EP_LAYOUTS[name]
     run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), SKEWED, *layout], tmp)
     got = torch.load(tmp / f"{name}.pt")
+    assert got["vocab_parallel"]  # "auto": 2 or 4 shards x 128 or 64 tokens <= the 512-token vocabulary
     assert_same_step(got, ref)
     # The busiest EP rank's tokens over an even split's; under EP=4 rank 0 gets none, so another gets >= 1/3.
     ep = int(layout[layout.index(EP) + 1])
@@ -114,3 +124,23 @@ def assert_same_step(got: dict, ref: dict) -> None:
         # Measured at most 8.1e-13 (A_log of a GDN layer, in every layout); a wrong head, chunk or document
         # boundary gives O(1).
         assert rel < 1e-9, f"{key}: relative grad difference {rel:.2e}"
+
+
+def test_tied_embeddings_on_an_uneven_vocabulary_match_single_process(tmp_path):
+    """One parameter serving the vocabulary-parallel lookup and loss, its rows split unevenly (509 = 255 + 254): its
+    gradient sums both uses' over both ranks' tokens, as one process's does."""
+    import dataclasses
+    import json
+
+    from models.qwen35_moe import get_flavor
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dataclasses.replace(get_flavor("debugmodel"), tie_word_embeddings=True,
+                                                     vocab_size=509).to_hf_config()))
+    tied = ["--model.hf_config", str(config)]
+    run([sys.executable, WORKER, str(tmp_path / "single.pt"), *tied], tmp_path)
+    run([*torchrun(2), WORKER, str(tmp_path / "fsdp2.pt"), *tied], tmp_path)
+    ref, got = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "fsdp2.pt")
+    assert got["vocab_parallel"] and "lm_head.weight" not in ref["grads"]
+    assert ref["grads"]["embed_tokens.weight"].shape[0] == 509
+    assert_same_step(got, ref)

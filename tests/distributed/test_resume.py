@@ -1,6 +1,7 @@
 """Checkpoints across processes, through run_train.sh as a user runs it (FSDP over 2 gloo ranks on CPU):
 SIGTERM mid-run then relaunch equals the uninterrupted run bit for bit; a checkpoint saved by 2 ranks resumes
-on 1 and the reverse, also from and to context parallelism, and from and to expert parallelism; Ctrl-C stops
+on 1 and the reverse, also from and to context parallelism, expert parallelism, and FSDP's embedding and lm_head
+(the default here is vocabulary-parallel); Ctrl-C stops
 with one line, after saving."""
 
 from __future__ import annotations
@@ -142,6 +143,31 @@ def test_a_checkpoint_moves_between_expert_parallel_and_fsdp(uninterrupted, tmp_
     assert got[5] == want[5]
     for step in range(6, 9):  # measured: bitwise up to step 7, then 1e-7 (other gradient summation order)
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
+
+
+FSDP_VOCAB = ("--parallelism.vocab_parallel", "never")
+
+
+@pytest.mark.parametrize("saved_vocab_parallel", [True, False])
+def test_a_checkpoint_moves_between_vocab_parallel_and_fsdp_units(uninterrupted, tmp_path, saved_vocab_parallel):
+    """The vocabulary-parallel embedding and lm_head keep FSDP's layout of their weights: a checkpoint of either way
+    resumes in the other, and the run continues the saving run's losses."""
+    if saved_vocab_parallel:  # the 2-rank reference: 2 ranks x 128 tokens <= 512 vocabulary rows, "auto" takes it
+        shutil.copytree(uninterrupted / "ref2", tmp_path / "saved")
+    else:
+        run(tmp_path / "saved", 2, *FSDP_VOCAB, "--checkpoint.interval", "4")
+        for step, loss in losses(uninterrupted / "ref2").items():  # other summation order only
+            assert losses(tmp_path / "saved")[step] == pytest.approx(loss, rel=1e-5), step
+    shutil.copytree(tmp_path / "saved", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-8")  # as if the job had died after step 4's save
+    metrics = tmp_path / "run" / "metrics.jsonl"  # keep steps 1-4: steps 5-8 must come from the resumed run
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:4]))
+    result = run(tmp_path / "run", 2, *(FSDP_VOCAB if saved_vocab_parallel else ()), "--checkpoint.interval", "4")
+    assert "resumed from checkpoint" in result.stderr
+    got, want = losses(tmp_path / "run"), losses(tmp_path / "saved")
+    assert sorted(got) == list(range(1, 9))
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
 def test_a_tied_model_resumes_on_two_ranks_bitwise_and_exports_one_matrix(tmp_path):

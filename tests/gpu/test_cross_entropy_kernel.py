@@ -87,3 +87,86 @@ def test_cuda_chunked_loss_errs_no_more_than_plain_bf16(chunk):
     assert ours[1][[0, 5, 6]].abs().max() == 0  # ignored tokens get no gradient
     with torch.no_grad():  # the forward-only path (validation)
         torch.testing.assert_close(linear_cross_entropy_sum(h, weight, labels, chunk), ours[0], rtol=1e-6, atol=0)
+
+
+def test_vocab_slices_combine_into_the_whole_vocabulary_loss_and_gradient():
+    """The vocabulary-parallel kernels (parallel/vocab_parallel.py): each of three uneven slices of the columns (one
+    longer than a block, labels in each and at both ends) gives its statistics, `combine_slice_stats` makes the
+    rows' log-sum-exp, and each slice writes its part of the gradient in place, through a strided view of the whole
+    logits: together the float64 loss and gradient, as the one-kernel path gives them."""
+    from models.qwen35_moe.cross_entropy_kernel import softmax_grad_, vocab_slice_stats
+    from models.qwen35_moe.linear_cross_entropy import combine_slice_stats
+
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(67, VOCAB, generator=g) * 4).to(torch.bfloat16).cuda()
+    labels = _labels(67, g).cuda()
+    labels[3], labels[4] = 4096 + 16, 4096 + 17  # the last column of the first slice, the first of the second
+    exact = logits.double()
+    valid = labels != -100
+    want_loss = F.cross_entropy(exact, labels, ignore_index=-100, reduction="none")
+    want_grad = torch.softmax(exact, -1) - F.one_hot(labels.clamp(min=0), VOCAB).double()
+    want_grad[~valid] = 0
+
+    bounds = [0, 4096 + 17, 7000, VOCAB]
+    slices = list(zip(bounds[:-1], bounds[1:]))
+    grad = logits.clone()
+    stats = torch.stack([vocab_slice_stats(grad[:, a:b], labels, a) for a, b in slices])
+    lse, target_logit = combine_slice_stats(stats)
+    loss = torch.where(valid, lse - target_logit, 0)
+    for a, b in slices:
+        softmax_grad_(grad[:, a:b], labels, lse, a, -100)
+
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-6, atol=1e-6)
+    assert grad[~valid].abs().max() == 0
+    rounded = want_grad.to(torch.bfloat16).double()
+    torch.testing.assert_close(grad.double(), rounded, rtol=2 ** -7, atol=1e-9)  # at most a last-bit flip
+    assert (grad.double() != rounded).float().mean() < 0.01
+
+
+def test_vocab_parallel_on_one_nccl_rank_gives_the_plain_embedding_and_loss_without_host_syncs():
+    """The vocabulary-parallel lookup and loss through NCCL on one rank (the exchanges then copy), in bf16, against
+    the plain lookup and chunked loss: the same loss and gradients, and no host sync on the way."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from parallel.vocab_parallel import VocabShard
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        g = torch.Generator().manual_seed(3)
+        table = (torch.randn(VOCAB, 256, generator=g) * 0.1).cuda()
+        head = (torch.randn(VOCAB, 256, generator=g) * 0.1).cuda()
+        ids = torch.randint(0, VOCAB, (2, 150), generator=g).cuda()
+        labels = _labels(300, g).cuda()
+        probe = torch.randn(2, 150, 256, generator=g).cuda()
+        shard = VocabShard(mesh, VOCAB, torch.bfloat16)
+
+        def step(parallel: bool):
+            t, w = (torch.nn.Parameter(x.clone()) for x in (table, head))
+            if parallel:
+                t, w = (torch.nn.Parameter(distribute_tensor(x.detach(), mesh, [Shard(0)])) for x in (t, w))
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    h = shard.embed(ids, t)
+                    loss = shard.head((h + probe.bfloat16()).flatten(0, 1), w, labels, 64)
+                    loss.backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            else:
+                h = F.embedding(ids, t).bfloat16()
+                loss = linear_cross_entropy_sum((h + probe.bfloat16()).flatten(0, 1), w, labels, 64)
+                loss.backward()
+            local = lambda x: x.to_local() if hasattr(x, "to_local") else x  # noqa: E731
+            return h.detach(), loss.detach(), local(t.grad), local(w.grad)
+
+        want, got = step(False), step(True)
+        assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], want[0])  # a copied row
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+        for a, b in zip(got[2:], want[2:]):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    finally:
+        dist.destroy_process_group()

@@ -212,3 +212,18 @@ def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_me
             assert 0 < rel < 1e-2, (name, rel)
         else:
             assert torch.equal(grad, ref_grads[name]), name
+
+
+def test_vocab_parallel_auto_takes_it_where_it_moves_fewer_bytes_than_fsdp():
+    from parallel.vocab_parallel import resolve_vocab_parallel, vocab_rows
+
+    assert resolve_vocab_parallel("auto", 248_320, 2, 8192)  # 16k tokens travel, not two 248k-row matrices
+    assert not resolve_vocab_parallel("auto", 248_320, 8, 32_768)  # 262k tokens per group > 248k rows
+    assert resolve_vocab_parallel("always", 248_320, 8, 32_768)
+    assert not resolve_vocab_parallel("never", 248_320, 2, 8192)
+    assert not resolve_vocab_parallel("auto", 512, 1, 8)  # one shard per replica: nothing to split
+    assert vocab_rows(509, 2, 0) == (0, 255) and vocab_rows(509, 2, 1) == (255, 509)  # DTensor's Shard(0) chunks
+    assert vocab_rows(5, 4, 3) == (5, 5)  # chunks of 2: the last rank's is empty
+    assert not resolve_vocab_parallel("auto", 5, 4, 1)
+    with pytest.raises(ValueError, match="empty slice"):
+        resolve_vocab_parallel("always", 5, 4, 1)
