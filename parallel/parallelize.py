@@ -126,6 +126,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
       backward runs.
     - The lm_head and the last block stay gathered after their forward: their backward follows at once.
     - The embedding is never gathered for backward: a lookup's backward needs the ids, not the table.
+    - The first block's routed experts (most of its weights) are a unit of their own, gathered while its attention
+      computes. Its gradients are the step's last reduction, which nothing can hide: the optimizer waits for it.
+      Split, the experts' share is reduced while the block's attention runs backward, leaving only the rest
+      (a sixth at 35B-A3B widths and 64 experts) exposed. The root gathers the first block (and the
+      embedding, if a unit) as soon as the step starts.
 
     Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
     ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
@@ -148,20 +153,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
     layers = list(model.layers.values())
     for index, layer in enumerate(layers):
-        ignored = set()
+        ignored, prefetch = set(), []
         keep = not reshard_after_forward or index == len(layers) - 1
         fp32_modules = [module for module in layer.modules() if isinstance(module, Fp32ParamsModule)]
         if fp32_modules:
             fully_shard(fp32_modules, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
+            prefetch.append(fp32_modules[0])  # one member names the whole group: they share one FSDP state
         for module in layer.modules():
             if isinstance(module, RoutedExperts) and unsharded_experts:
                 ignored.update(module.parameters())
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
                             reshard_after_forward=not keep)
+            elif isinstance(module, RoutedExperts) and index == 0:
+                fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
+                prefetch.append(module)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
-        if fp32_modules:  # one member names the whole group: they share one FSDP state
-            layer.set_modules_to_forward_prefetch(fp32_modules[:1])
+        if prefetch:
+            layer.set_modules_to_forward_prefetch(prefetch)
     vocab_params = apply_vocab_parallel(model, mesh, param_dtype) if vocab_parallel else []
     # Tied, the two share one parameter: the root keeps it.
     if not vocab_parallel and model.lm_head.weight is not model.embed_tokens.weight:
@@ -170,6 +179,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                 ignored_params=set(vocab_params) or None)
+    first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
+    model.set_modules_to_forward_prefetch([*first, layers[0]])
 
 
 def reshard_fsdp(model: nn.Module) -> None:
