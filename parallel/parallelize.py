@@ -129,8 +129,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     - The first block's routed experts (most of its weights) are a unit of their own, gathered while its attention
       computes. Its gradients are the step's last reduction, which nothing can hide: the optimizer waits for it.
       Split, the experts' share is reduced while the block's attention runs backward, leaving only the rest
-      (a sixth at 35B-A3B widths and 64 experts) exposed. The root gathers the first block (and the
-      embedding, if a unit) as soon as the step starts.
+      (a sixth at 35B-A3B widths and 64 experts) exposed.
+    - Each forward gathers ahead: the root the first block (and the embedding, if a unit) as the step starts, each
+      block the next one (the last, the lm_head) as it starts. Left to FSDP, a block was gathered only once the
+      host had queued the previous block's work, which under compile's graph breaks comes late: a profiled
+      FSDP=2 step's blocks waited 1-7 ms each for their gather.
 
     Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
     ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
@@ -152,6 +155,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
     layers = list(model.layers.values())
+    prefetches = []  # per block, what its forward gathers ahead: its nested units, then the next block
     for index, layer in enumerate(layers):
         ignored, prefetch = set(), []
         keep = not reshard_after_forward or index == len(layers) - 1
@@ -169,8 +173,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
                 prefetch.append(module)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
-        if prefetch:
-            layer.set_modules_to_forward_prefetch(prefetch)
+        prefetches.append(prefetch)
     vocab_params = apply_vocab_parallel(model, mesh, param_dtype) if vocab_parallel else []
     # Tied, the two share one parameter: the root keeps it.
     if not vocab_parallel and model.lm_head.weight is not model.embed_tokens.weight:
@@ -181,6 +184,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 ignored_params=set(vocab_params) or None)
     first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
     model.set_modules_to_forward_prefetch([*first, layers[0]])
+    after_last = [model.lm_head] if isinstance(model.lm_head, FSDPModule) else []
+    for layer, prefetch, following in zip(layers, prefetches, [[block] for block in layers[1:]] + [after_last]):
+        layer.set_modules_to_forward_prefetch(prefetch + following)
 
 
 def reshard_fsdp(model: nn.Module) -> None:
