@@ -14,7 +14,10 @@ The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 com
   block inputs (2 B x hidden per block); without AC, LAYER_BYTES for every block;
 - FIXED: the rest (the gathered lm_head, the chunked cross entropy's one chunk of logits, CUDA context and NCCL
   buffers), fitted. (It was fitted while the root also kept the embedding gathered through the step; the peaks
-  measured since, 22.8 GiB at FSDP=2 4/64 before and after, did not move.)
+  measured since, 22.8 GiB at FSDP=2 4/64 before and after, did not move.) Every peak here was measured with
+  the embedding and the lm_head as FSDP units. Vocabulary-parallel (`parallelism.vocab_parallel`, taken by "auto"
+  where shard ranks x tokens per rank <= vocabulary) they are never gathered: FSDP=2 4/64 without AC peaked at 20.0
+  instead of 22.8 GiB, so the model over-predicts such runs by up to that much.
 Fitted on measured peaks: WORKING_BYTES and FIXED on CP=1 at 32k and 64k (4 layers, 16 experts, full AC: slope
 and intercept over tokens), GATHER_BYTES on FSDP=2 against EP=2 with 256 experts (the difference is the experts
 EP does not gather), LAYER_BYTES on one run without AC. Every peak in MEASURED is then predicted (`--check`).
