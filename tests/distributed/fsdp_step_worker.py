@@ -1,6 +1,6 @@
 """Worker for test_fsdp: a validation pass, then the trainer's first optimizer step of the debug model on the
-real data pipeline, with the MoE balance loss on. Rank 0 saves the initial weights, the validation loss, the
-step's losses and grad norm and the full gradients.
+real data pipeline, with the MoE balance loss on, then logits without labels. Rank 0 saves the initial weights, the
+validation loss, the step's losses and grad norm, the full gradients and (without CP) its first row's logits.
 Run as one plain process or under torchrun (gloo); extra arguments are config overrides, after an optional
 `--skewed-routing` (see `skewed_router`)."""
 
@@ -78,9 +78,14 @@ def main(out_path: str, *overrides: str) -> None:
     batch = documents_across_chunk_edges(batch)  # train_step shards the rows over the CP ranks
     out = trainer.train_step([batch])
     grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
+    logits = None
+    if cp == 1:  # the forward without labels (evaluation): logits of this rank's first row, with the stepped weights
+        with torch.no_grad():
+            logits = trainer.model(batch["input_ids"][:1, :16].to(trainer.device)).logits
     if trainer.rank == 0:
         torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation,
-                    "vocab_parallel": trainer.model.embed_tokens._vocab_parallel is not None}, out_path)
+                    "vocab_parallel": trainer.model.embed_tokens._vocab_parallel is not None, "logits": logits},
+                   out_path)
     trainer.close()
 
 

@@ -116,6 +116,8 @@ def assert_same_step(got: dict, ref: dict) -> None:
     assert got["validation"]["val_tokens"] == ref["validation"]["val_tokens"]
     assert got["validation"]["val_loss"] == pytest.approx(ref["validation"]["val_loss"], rel=1e-6)
     # expert_load: the step's routing counts pooled over the ranks against the one process's own.
+    if got["logits"] is not None:  # rank 0's first row is the global first row; the weights after the step
+        torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-9, atol=1e-12)
     for key in ("loss", "aux_loss", "grad_norm", "expert_load"):
         assert got["out"][key] == pytest.approx(ref["out"][key], rel=1e-5), key
     assert ref["out"]["aux_loss"] > 1.0  # the balance loss was on (a uniform router gives top_k = 2)
