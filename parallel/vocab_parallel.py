@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.qwen35_moe.linear_cross_entropy import IGNORE_INDEX, combine_slice_stats, linear_cross_entropy_sum
+from models.qwen35_moe.linear_cross_entropy import combine_slice_stats, linear_cross_entropy_sum
 
 from .collectives import reduce_scatter_sum
 

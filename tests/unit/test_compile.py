@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor
-from parallel.parallelize import apply_activation_checkpointing, apply_compile, parallelize_qwen35_moe
+from parallel.parallelize import apply_compile, parallelize_qwen35_moe
 from tests.builders import fp32_grad_tolerance, initialized_model
 
 SEQ = 96
