@@ -134,11 +134,12 @@ class VocabShard:
         every = self.gather(grad_total.reshape(1).to(torch.float32))
         torch._assert_async((every == every[0]).all(),
                             "vocab_parallel: the ranks' losses must get the same upstream gradient")
-        return self.finish(grad * grad_total)
+        return self.finish(grad.mul_(grad_total / self.mesh.size()), averaged=True)  # in place: the function's own
 
-    def finish(self, grad: torch.Tensor) -> torch.Tensor:
-        """A slice's gradient summed over the shard group's tokens -> FSDP's average over the mesh."""
-        grad = grad / self.mesh.size()
+    def finish(self, grad: torch.Tensor, averaged: bool = False) -> torch.Tensor:
+        """A slice's gradient summed over the shard group's tokens -> FSDP's average over the mesh (`averaged`: the
+        caller divided it already)."""
+        grad = grad if averaged else grad / self.mesh.size()
         if self.replicas is not None:
             dist.all_reduce(grad, group=self.replicas)
         return grad

@@ -162,8 +162,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        # Under a vocab shard the weight's gradient holds every rank's tokens: the shard finishes it.
-        grad_w = grad_w * grad_total if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
+        # Scaled in place: a copy would be a second weight-sized fp32 tensor (2 GiB for 35B-A3B's lm_head) at the
+        # start of the backward, when the activations are all alive. (A second backward through the graph fails
+        # autograd's check that saved tensors were not modified.) Under a vocab shard the weight's gradient holds
+        # every rank's tokens: the shard finishes it.
+        grad_w = grad_w.mul_(grad_total) if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
         return ((grad_h * grad_total).to(h_dtype) if ctx.needs_input_grad[0] else None,
                 grad_w.to(w_dtype) if ctx.needs_input_grad[1] else None, None, None, None)
 

@@ -89,3 +89,18 @@ def test_model_with_labels_gives_the_cross_entropy_of_its_logits():
     for name in want_grads:  # fp32, differing in summation order only (measured <= 4.5e-6)
         error = ((got_grads[name] - want_grads[name]).norm() / want_grads[name].norm()).item()
         assert error < fp32_grad_tolerance(name), (name, error)
+
+
+def test_a_second_backward_through_the_loss_fails_instead_of_scaling_the_weight_gradient_twice():
+    """The backward scales the stored weight gradient in place (no second weight-sized tensor): a second backward
+    through a retained graph must then fail loudly, not return a gradient scaled twice."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(9, 8, generator=g, requires_grad=True)
+    weight = torch.randn(20, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 20, (9,), generator=g)
+    loss = linear_cross_entropy_sum(h, weight, labels, 4) * 0.5
+    loss.backward(retain_graph=True)
+    want = torch.autograd.grad(_reference(h, weight, labels) * 0.5, weight)[0]
+    torch.testing.assert_close(weight.grad, want, rtol=1e-5, atol=1e-6)  # scaled once
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
