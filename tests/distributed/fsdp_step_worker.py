@@ -2,7 +2,8 @@
 real data pipeline, with the MoE balance loss on, then logits without labels. Rank 0 saves the initial weights, the
 validation loss, the step's losses and grad norm, the full gradients and (without CP) its first row's logits.
 Run as one plain process or under torchrun (gloo); extra arguments are config overrides, after an optional
-`--skewed-routing` (see `skewed_router`)."""
+`--skewed-routing` (see `skewed_router`) or `--one-row-microbatches` (the step accumulates over one-row
+micro-batches)."""
 
 import gc
 import os
@@ -52,6 +53,8 @@ def skewed_router(self, x):
 def main(out_path: str, *overrides: str) -> None:
     if overrides and overrides[0] == "--skewed-routing":
         TopKRouter.forward, overrides = skewed_router, overrides[1:]
+    one_row_microbatches = bool(overrides) and overrides[0] == "--one-row-microbatches"
+    overrides = overrides[1:] if one_row_microbatches else overrides
     # float64: the layouts differ only in summation order, which float64 keeps near 1e-16, so any difference
     # beyond that is a bug. (In fp32 the GDN decay parameters' gradients, sums of nearly cancelling terms,
     # vary by up to 1e-3 relative between any two summation orders.)
@@ -76,7 +79,9 @@ def main(out_path: str, *overrides: str) -> None:
     validation = trainer.validator.validate(trainer.model)
     batch = next(iter(trainer.dataloader))  # DP rank r of W: global rows r, r + W, ... of the same 4 rows
     batch = documents_across_chunk_edges(batch)  # train_step shards the rows over the CP ranks
-    out = trainer.train_step([batch])
+    rows = len(batch["input_ids"])
+    split = [{key: value[i:i + 1] for key, value in batch.items()} for i in range(rows)]
+    out = trainer.train_step(split if one_row_microbatches else [batch])
     grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
     logits = None
     if cp == 1:  # the forward without labels (evaluation): logits of this rank's first row, with the stepped weights

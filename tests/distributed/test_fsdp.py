@@ -45,6 +45,16 @@ def single_skewed(tmp_path_factory):
     return tmp, torch.load(tmp / "single.pt")
 
 
+NO_BALANCE_LOSS = ["--training.aux_loss_coef", "0"]
+
+
+@pytest.fixture(scope="module")
+def single_without_balance_loss(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_no_balance")
+    run([sys.executable, WORKER, str(tmp / "single.pt"), *NO_BALANCE_LOSS], tmp)
+    return torch.load(tmp / "single.pt")
+
+
 LAYOUTS = {  # name: (processes, config overrides)
     "fsdp2": (2, []),
     "hsdp2": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
@@ -146,3 +156,17 @@ def test_tied_embeddings_on_an_uneven_vocabulary_match_single_process(tmp_path):
     assert got["vocab_parallel"] and "lm_head.weight" not in ref["grads"]
     assert ref["grads"]["embed_tokens.weight"].shape[0] == 509
     assert_same_step(got, ref)
+
+
+def test_gradient_accumulation_under_vocab_parallel_matches_one_process(single_without_balance_loss, tmp_path):
+    """Each FSDP rank accumulates the step over two one-row micro-batches: the vocabulary-parallel lm_head's and
+    embedding's slice gradients add up over them as FSDP's units' do, against one process's one micro-batch of the
+    same 4 rows (the balance loss off: it is pooled per micro-batch, so it depends on the split)."""
+    ref = single_without_balance_loss
+    run([*torchrun(2), WORKER, str(tmp_path / "fsdp2.pt"), "--one-row-microbatches", *NO_BALANCE_LOSS], tmp_path)
+    got = torch.load(tmp_path / "fsdp2.pt")
+    assert got["vocab_parallel"]
+    assert got["out"]["loss"] == pytest.approx(ref["out"]["loss"], rel=1e-9)
+    for key, want in ref["grads"].items():
+        rel = ((got["grads"][key] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert rel < 1e-9, f"{key}: relative grad difference {rel:.2e}"
