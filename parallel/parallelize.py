@@ -114,10 +114,11 @@ def apply_compile(model: nn.Module) -> None:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
                vocab_parallel: bool = False) -> None:
-    """FSDP2 units: each decoder block, each GDN layer's fp32 modules, the embedding, the lm_head, and the root (the
-    final norm). With `vocab_parallel` the embedding and the lm_head are not FSDP's: their weights stay sharded by
-    rows over the same mesh and the tokens travel instead (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every unit's gathered weights from its forward to its backward;
-    True (the default) frees them, except where the backward comes at once or needs no weights:
+    """FSDP2 units: each decoder block, each GDN layer's fp32 modules, the first block's routed experts, the
+    embedding, the lm_head, and the root (the final norm). With `vocab_parallel` the embedding and the lm_head are
+    not FSDP's: their weights stay sharded by rows over the same mesh and the tokens travel instead
+    (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every unit's gathered weights from its forward
+    to its backward; True (the default) frees them, except where the backward comes at once or needs no weights:
 
     - The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
       in torchtitan. In the root they were gathered before the first block and their gradients reduced after the
@@ -127,9 +128,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     - The lm_head and the last block stay gathered after their forward: their backward follows at once.
     - The embedding is never gathered for backward: a lookup's backward needs the ids, not the table.
     - The first block's routed experts (most of its weights) are a unit of their own, gathered while its attention
-      computes. Its gradients are the step's last reduction, which nothing can hide: the optimizer waits for it.
-      Split, the experts' share is reduced while the block's attention runs backward, leaving only the rest
-      (a sixth at 35B-A3B widths and 64 experts) exposed.
+      computes. The first block's gradients are the step's last reduction, which nothing can hide: the optimizer
+      waits for it. Split, the experts' share is reduced while the block's attention runs backward, leaving only
+      the rest (a sixth at 35B-A3B widths and 64 experts) exposed.
     - Each forward gathers ahead: the root the first block (and the embedding, if a unit) as the step starts, each
       block the next one (the last, the lm_head) as it starts. Left to FSDP, a block was gathered only once the
       host had queued the previous block's work, which under compile's graph breaks comes late: a profiled
@@ -175,7 +176,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
         prefetches.append(prefetch)
     vocab_params = apply_vocab_parallel(model, mesh, param_dtype) if vocab_parallel else []
-    # Tied, the two share one parameter: the root keeps it.
+    # Units of their own unless vocabulary-parallel; tied, the two share one parameter, which the root keeps.
     if not vocab_parallel and model.lm_head.weight is not model.embed_tokens.weight:
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         model.embed_tokens.set_unshard_in_backward(False)

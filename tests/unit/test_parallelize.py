@@ -119,9 +119,11 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
 def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the_embedding(one_rank_mesh):
     """apply_fsdp's units, seen from which weights are gathered (plain tensors) or sharded (DTensors) when:
     after forward the last block and the lm_head stay gathered (their backward comes first), the other blocks
-    and the embedding are resharded, and each GDN layer's fp32 modules (one unit) stay gathered; in backward the
+    (the first one's experts a unit of their own) and the embedding are resharded, and each GDN layer's fp32
+    modules (one unit) stay gathered; in backward the
     embedding is never gathered (its lookup's backward needs only the ids), yet its gradient is the plain
     model's; after backward everything is sharded again."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from parallel.parallelize import apply_fsdp
@@ -145,6 +147,11 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
     assert not gathered(model.embed_tokens.weight)
     gdn = [layer.linear_attn for layer in model.layers.values() if hasattr(layer, "linear_attn")]
     assert gdn and all(gathered(m._fp32_params.A_log) and gathered(m.norm.weight) for m in gdn)
+    # The first block's experts are a unit of their own (their reduction overlaps that block's attention backward),
+    # resharded with it; the other blocks' experts are part of their block's unit.
+    experts = [layer.mlp.experts for layer in model.layers.values()]
+    assert isinstance(experts[0], FSDPModule) and not any(isinstance(e, FSDPModule) for e in experts[1:])
+    assert blocks and not gathered(experts[0].gate_up_proj)
 
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     loss.backward()
