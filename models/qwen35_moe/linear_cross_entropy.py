@@ -56,12 +56,20 @@ def _torch_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bo
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
     loss = torch.where(valid, lse - picked, 0)
-    if not want_grads:
-        return loss, None
-    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the fp32 logits
-    probs[torch.arange(len(target), device=probs.device), target] -= 1.0
-    probs.mul_(valid.unsqueeze(1).to(probs.dtype))
-    return loss, probs.to(grad_dtype)
+    return loss, _torch_softmax_grad(logits, labels, lse, 0, grad_dtype) if want_grads else None
+
+
+def _torch_softmax_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, start: int,
+                        grad_dtype: torch.dtype) -> torch.Tensor:
+    """d (summed loss) / d logits, for upcast logits over vocabulary ids start ... (overwritten): the softmax taken
+    with each row's log-sum-exp `lse`, minus the label's one-hot where the label falls among them; zero rows where
+    ignored. The reference of the kernels' gradients."""
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()
+    local = labels - start
+    here = (local >= 0) & (local < probs.shape[1])  # never an ignored label (-100)
+    probs[torch.arange(len(labels), device=probs.device), torch.where(here, local, 0)] -= here.to(probs.dtype)
+    probs.mul_((labels != IGNORE_INDEX).unsqueeze(1).to(probs.dtype))
+    return probs.to(grad_dtype)
 
 
 def _slice_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bool, grad_dtype: torch.dtype, vocab):
@@ -82,12 +90,7 @@ def _slice_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bo
         return loss, None
     if kernel:
         return loss, softmax_grad_(logits, labels, lse, vocab.start, IGNORE_INDEX)
-    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # the slice of the softmax, in place of the upcast logits
-    local = labels - vocab.start
-    here = torch.nonzero((local >= 0) & (local < logits.shape[1])).squeeze(1)
-    probs[here, local[here]] -= 1.0
-    probs.mul_(valid.unsqueeze(1).to(probs.dtype))
-    return loss, probs.to(grad_dtype)
+    return loss, _torch_softmax_grad(logits, labels, lse, vocab.start, grad_dtype)
 
 
 def _torch_slice_stats(logits: torch.Tensor, labels: torch.Tensor, start: int) -> torch.Tensor:
