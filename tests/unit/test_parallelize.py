@@ -120,9 +120,8 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
     """apply_fsdp's units, seen from which weights are gathered (plain tensors) or sharded (DTensors) when:
     after forward the last block and the lm_head stay gathered (their backward comes first), the other blocks
     (the first one's experts a unit of their own) and the embedding are resharded, and each GDN layer's fp32
-    modules (one unit) stay gathered; in backward the
-    embedding is never gathered (its lookup's backward needs only the ids), yet its gradient is the plain
-    model's; after backward everything is sharded again."""
+    modules (one unit) stay gathered; in backward the embedding is never gathered (its lookup's backward needs
+    only the ids), yet its gradient is the plain model's; after backward everything is sharded again."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
