@@ -32,13 +32,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.qwen35_moe.linear_cross_entropy import combine_slice_stats, linear_cross_entropy_sum
+from models.qwen35_moe.linear_cross_entropy import combine_slice_stats, linear_cross_entropy_sum, scale_
 
-from .collectives import reduce_scatter_sum
-
-# Renamed in torch 2.13 (the old names warn there); torch 2.11 has only the old ones. Same signatures.
-_all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+from .collectives import all_gather, reduce_scatter_sum
 
 
 def vocab_rows(vocab: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -72,7 +68,7 @@ class _AverageGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.shard.finish(grad), None
+        return ctx.shard.sum_replicas(grad / ctx.shard.mesh.size()), None
 
 
 class VocabShard:
@@ -109,9 +105,7 @@ class VocabShard:
     # The chunked cross entropy's hooks (linear_cross_entropy._chunked).
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(n, ...) -> (size x n, ...): every rank's x, in rank order (no gradient)."""
-        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        _all_gather_into(out, x.detach().contiguous(), group=self.group)
-        return out
+        return all_gather(x.detach(), self.group)
 
     def combine(self, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (rows, 3) slice statistics -> every row's log-sum-exp and label logit over the vocabulary."""
@@ -124,9 +118,7 @@ class VocabShard:
 
     def scatter_sum(self, rows: torch.Tensor) -> torch.Tensor:
         """Gathered rows' partial values -> this rank's rows summed over the group."""
-        out = rows.new_empty((rows.shape[0] // self.size, *rows.shape[1:]))
-        _reduce_scatter_into(out, rows.contiguous(), group=self.group)
-        return out
+        return reduce_scatter_sum(rows, self.group)
 
     def weight_grad(self, grad: torch.Tensor, grad_total: torch.Tensor) -> torch.Tensor:
         """The lm_head slice's gradient, summed over every rank's tokens, scaled by the loss's upstream gradient,
@@ -134,12 +126,11 @@ class VocabShard:
         every = self.gather(grad_total.reshape(1).to(torch.float32))
         torch._assert_async((every == every[0]).all(),
                             "vocab_parallel: the ranks' losses must get the same upstream gradient")
-        return self.finish(grad.mul_(grad_total / self.mesh.size()), averaged=True)  # in place: the function's own
+        return self.sum_replicas(scale_(grad, grad_total / self.mesh.size()))  # in place: the function's own
 
-    def finish(self, grad: torch.Tensor, averaged: bool = False) -> torch.Tensor:
-        """A slice's gradient summed over the shard group's tokens -> FSDP's average over the mesh (`averaged`: the
-        caller divided it already)."""
-        grad = grad if averaged else grad / self.mesh.size()
+    def sum_replicas(self, grad: torch.Tensor) -> torch.Tensor:
+        """A slice's gradient, averaged over the shard group -> FSDP's average over the mesh: summed (in place) over
+        the replicas of an HSDP mesh."""
         if self.replicas is not None:
             dist.all_reduce(grad, group=self.replicas)
         return grad

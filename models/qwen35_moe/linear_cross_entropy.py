@@ -112,6 +112,14 @@ def combine_slice_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return top + total.log(), stats[..., 2].sum(0)
 
 
+def scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """t *= scale (a 0-dim tensor), in place. As a foreach op: `t.mul_(scale)` with a CUDA scale broadcasts it as a
+    stride-0 operand, which takes the unvectorised kernel (1.5 ms over the 35B-A3B lm_head's fp32 gradient on an
+    H200, against about 0.9 ms for reading and writing it once)."""
+    torch._foreach_mul_([t], scale)
+    return t
+
+
 def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """out = a @ b, or out += a @ b, in out's dtype. On CUDA a half-precision GEMM writes (or accumulates) straight
     into the fp32 `out` (cuBLAS' fp32 output): no rounded half-precision product, no cast, add or copy pass over
@@ -168,8 +176,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Scaled in place: a copy would be a second weight-sized fp32 tensor (2 GiB for 35B-A3B's lm_head) at the
         # start of the backward, when the activations are all alive. (A second backward through the graph fails
         # autograd's check that saved tensors were not modified.) Under a vocab shard the weight's gradient holds
-        # every rank's tokens: the shard finishes it.
-        grad_w = grad_w.mul_(grad_total) if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
+        # every rank's tokens: the shard averages it over the mesh.
+        grad_w = scale_(grad_w, grad_total) if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
         return ((grad_h * grad_total).to(h_dtype) if ctx.needs_input_grad[0] else None,
                 grad_w.to(w_dtype) if ctx.needs_input_grad[1] else None, None, None, None)
 
