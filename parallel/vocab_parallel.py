@@ -129,8 +129,8 @@ class VocabShard:
         return self.sum_replicas(scale_(grad, grad_total / self.mesh.size()))  # in place: the function's own
 
     def sum_replicas(self, grad: torch.Tensor) -> torch.Tensor:
-        """A slice's gradient, averaged over the shard group -> FSDP's average over the mesh: summed (in place) over
-        the replicas of an HSDP mesh."""
+        """A slice's gradient, already divided by the mesh's size -> FSDP's average over the mesh: summed (in place)
+        over the replicas of an HSDP mesh."""
         if self.replicas is not None:
             dist.all_reduce(grad, group=self.replicas)
         return grad

@@ -3,7 +3,8 @@
 The torch path (moe.combine_expert_outputs) gathers the N * k expert outputs back into (token, slot) order, then
 weights and sums them: under compile inductor makes an (N * k, D) copy and reads it again, forward and backward,
 at a fraction of the bandwidth (0.4 ms per layer and pass at 8192 tokens x 8 slots x 2048, about 7x the time of
-reading and writing each byte once). Here each token's program reads its k rows where they lie:
+reading and writing each byte once). Here a token's k rows are read where they lie (forward: one program per
+token and column block; backward: one per token, across the row, whose dot products need all of it):
 
     forward   out[n] = sum_j w[n, j] * src[index[n * k + j]]        fp32 sum, rounded once to out's dtype
     backward  grad_src[index[n * k + j]] = w[n, j] * grad_out[n]    rounded once to src's dtype
