@@ -59,15 +59,22 @@ def _torch_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bo
     return loss, _torch_softmax_grad(logits, labels, lse, 0, grad_dtype) if want_grads else None
 
 
+def _label_column(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each label's column among vocabulary ids start ... start + width - 1 (0 where it is not among them), and
+    whether it is (never for an ignored label, -100)."""
+    local = labels - start
+    here = (local >= 0) & (local < width)
+    return torch.where(here, local, 0), here
+
+
 def _torch_softmax_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, start: int,
                         grad_dtype: torch.dtype) -> torch.Tensor:
     """d (summed loss) / d logits, for upcast logits over vocabulary ids start ... (overwritten): the softmax taken
     with each row's log-sum-exp `lse`, minus the label's one-hot where the label falls among them; zero rows where
     ignored. The reference of the kernels' gradients."""
     probs = logits.sub_(lse.unsqueeze(1)).exp_()
-    local = labels - start
-    here = (local >= 0) & (local < probs.shape[1])  # never an ignored label (-100)
-    probs[torch.arange(len(labels), device=probs.device), torch.where(here, local, 0)] -= here.to(probs.dtype)
+    column, here = _label_column(labels, start, probs.shape[1])
+    probs[torch.arange(len(labels), device=probs.device), column] -= here.to(probs.dtype)
     probs.mul_((labels != IGNORE_INDEX).unsqueeze(1).to(probs.dtype))
     return probs.to(grad_dtype)
 
@@ -98,9 +105,8 @@ def _torch_slice_stats(logits: torch.Tensor, labels: torch.Tensor, start: int) -
     slice (else 0). The reference of cross_entropy_kernel.vocab_slice_stats."""
     top = logits.amax(1)
     sums = (logits - top.unsqueeze(1)).exp().sum(1)
-    local = labels - start
-    here = (local >= 0) & (local < logits.shape[1])
-    picked = logits.gather(1, torch.where(here, local, 0).unsqueeze(1)).squeeze(1)
+    column, here = _label_column(labels, start, logits.shape[1])
+    picked = logits.gather(1, column.unsqueeze(1)).squeeze(1)
     return torch.stack((top, sums, torch.where(here, picked, 0)), dim=1)
 
 

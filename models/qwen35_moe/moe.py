@@ -44,9 +44,9 @@ class TopKRouter(nn.Module):
         return probs, weights, ids
 
 
-def _fused_on(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels of moe_combine_kernel.py sum the token's k rows: bf16 on CUDA, where the experts
-    run as grouped GEMMs (elsewhere the torch path, which float64 tests check)."""
+def _grouped_path(x: torch.Tensor) -> bool:
+    """Whether the MoE runs its CUDA path: bf16 on CUDA, the experts as grouped GEMMs and the token gather and
+    combine in the Triton kernels of moe_combine_kernel.py. Elsewhere the torch path, which float64 tests check."""
     return x.is_cuda and x.dtype == torch.bfloat16
 
 
@@ -60,7 +60,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        if ctx.group > 1 and _fused_on(grad):
+        if ctx.group > 1 and _grouped_path(grad):
             from .moe_combine_kernel import row_group_sum
             return row_group_sum(grad.contiguous(), inverse, ctx.group), None, None, None
         grad = grad.index_select(0, inverse)
@@ -129,7 +129,7 @@ class RoutedExperts(nn.Module):
         """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D). Rows past sum(counts) belong to no
         expert here (expert parallelism's all-gather dispatch: the other ranks' assignments): their outputs are
         unspecified (zeros on the loop path, whatever the grouped GEMM leaves there on GPU)."""
-        if x.is_cuda and x.dtype == torch.bfloat16:
+        if _grouped_path(x):
             return self._grouped_mm(x, counts)
         return self._loop(x, counts)
 
@@ -183,7 +183,7 @@ def combine_expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     slot_at = inverse_permutation(order)  # where each assignment landed
     x_sorted = gather_rows(x, order // top_k, slot_at, top_k)  # (N * k, D)
     routed = run_experts(x_sorted, counts)
-    if _fused_on(routed):
+    if _grouped_path(routed):
         from .moe_combine_kernel import weighted_row_sum
         return weighted_row_sum(routed.contiguous(), slot_at, weights, out_dtype or x.dtype)
     per_slot = gather_rows(routed, slot_at, order).view(num_tokens, top_k, -1)  # (N, k, D)

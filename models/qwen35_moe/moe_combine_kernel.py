@@ -80,7 +80,7 @@ def _grid(n: int, d: int):
 
 def _check(src: torch.Tensor, index: torch.Tensor, k: int) -> None:
     if src.dim() != 2 or not src.is_contiguous() or not index.is_contiguous() or index.numel() % k:
-        raise ValueError("weighted_row_sum: src must be contiguous (M, D) and index contiguous with N * k entries")
+        raise ValueError("moe combine kernel: src must be contiguous (M, D) and index contiguous with N * k entries")
 
 
 @triton_op("qwen35::weighted_row_sum", mutates_args=())

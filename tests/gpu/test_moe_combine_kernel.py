@@ -82,16 +82,16 @@ def test_layer_combine_matches_float64_and_compiles_without_graph_break():
         run = lambda rows, counts: rows * scale  # noqa: E731 (per row, so the expert order does not matter)
         return combine_expert_outputs(x, weights, ids, expert_counts(ids, experts), run)
 
-    def run(fn, dtype, device):
+    def outputs_and_grads(fn, dtype, device):
         weights_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         leaves = [t.to(device, dt).clone().requires_grad_() for t, dt in ((x, dtype), (weights, weights_dtype))]
         out = fn(leaves[0], leaves[1], ids.to(device), scale.to(device, dtype))
         out.backward(grad_out.to(device, out.dtype))
         return [t.detach().double().cpu() for t in (out, leaves[0].grad, leaves[1].grad)]
 
-    exact = run(layer, torch.float64, "cpu")
-    eager = run(layer, torch.bfloat16, "cuda")
-    compiled = run(torch.compile(layer, fullgraph=True), torch.bfloat16, "cuda")
+    exact = outputs_and_grads(layer, torch.float64, "cpu")
+    eager = outputs_and_grads(layer, torch.bfloat16, "cuda")
+    compiled = outputs_and_grads(torch.compile(layer, fullgraph=True), torch.bfloat16, "cuda")
     # Error budget: one bf16 rounding of each scaled row (the stand-in expert) and of the sum; the weights'
     # gradient is a 512-term dot product of such rows.
     for ours, want, atol in zip(eager, exact, (1e-2, 1e-2, 1e-1)):
