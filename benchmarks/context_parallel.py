@@ -89,12 +89,12 @@ def check(ns) -> None:
     positions = packed_positions(ns.seq, cp).to(device)
 
     # fp32 reference with the torch kernels (no FLA fp32 compile); the same on every rank.
-    fla_rule, fla_conv = gdn_module.gated_delta_rule, gdn_module.causal_conv1d
+    fla_rule, conv_kernel = gdn_module.gated_delta_rule, gdn_module.causal_conv1d_qkv
     gdn_module.gated_delta_rule = lambda q, k, v, g, beta, cu=None, cu_cpu=None: torch_chunk_gated_delta_rule(
         q, k, v, g, beta, cu_seqlens=cu)
-    gdn_module.causal_conv1d = lambda x, w, cu=None, cu_cpu=None: torch_causal_conv1d(x, w, cu)
+    gdn_module.causal_conv1d_qkv = lambda x, w, parts, pos, cu=None: torch_causal_conv1d(x, w, cu).split(parts, -1)
     ref_loss, ref_grads = loss_and_grads(ref, ids, positions, labels, ns.seq)
-    gdn_module.gated_delta_rule, gdn_module.causal_conv1d = fla_rule, fla_conv
+    gdn_module.gated_delta_rule, gdn_module.causal_conv1d_qkv = fla_rule, conv_kernel
     ref_grads = ref_grads.cpu()
 
     bf16 = copy.deepcopy(ref).to(torch.bfloat16)

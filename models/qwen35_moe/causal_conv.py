@@ -1,33 +1,43 @@
 """Depthwise causal conv + SiLU (Gated DeltaNet's short conv on q, k, v), with document resets.
 
 out[t] = silu(sum_{j<W} weight[:, W-1-j] * x[t-j]), taps before the start of t's document (or row) being zero.
-CUDA tensors -> FLA's kernel; anything else -> `torch_causal_conv1d`.
+`causal_conv1d_qkv` returns the output's channels split into q, k and v: on CUDA from our Triton kernel
+(causal_conv_kernel.py: each part contiguous, as FLA's delta rule takes them), elsewhere from
+`torch_causal_conv1d`, the reference.
 """
 
 import torch
 import torch.nn.functional as F
 
-from .fla_varlen import fla_varlen_args
+
+def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None):
+    """x (B, T, C); weight (C, W) (HF's conv1d.weight (C, 1, W) squeezed); parts: the channels of q, k and v
+    (summing to C); position_ids: each token's position in its document, (B, T) or any shape of B * T tokens
+    whose last dimension is the row length (a row always starts a document); cu_seqlens: the same documents over
+    the flattened tokens (FLA's varlen convention; needs B == 1), for the torch path. Returns (q, k, v), each
+    (B, T, part) in x's dtype."""
+    if x.device.type != "cuda" or weight.shape[-1] > 4:  # the kernel keeps one accumulator per tap, up to 4
+        return torch_causal_conv1d(x, weight, cu_seqlens).split(list(parts), dim=-1)
+    from .causal_conv_kernel import causal_conv_silu_qkv  # lazy: Triton needs a GPU
+
+    tokens = x.shape[:-1]
+    history = document_history(position_ids, weight.shape[-1])
+    outs = causal_conv_silu_qkv(x.reshape(-1, x.shape[-1]), weight.contiguous(), history, list(parts))
+    return tuple(o.view(*tokens, o.shape[-1]) for o in outs)
 
 
-def causal_conv1d(x, weight, cu_seqlens=None, cu_seqlens_cpu=None):
-    """x (B, T, D); weight (D, W) (HF's conv1d.weight (D, 1, W) squeezed); cu_seqlens int [N+1] (needs B == 1),
-    with an optional host copy `cu_seqlens_cpu` that spares FLA a device-to-host sync. Returns (B, T, D) in x's
-    dtype."""
-    if cu_seqlens is not None and x.shape[0] != 1:
-        raise ValueError(f"causal_conv1d: cu_seqlens packs documents into one row, so batch size must be 1, "
-                         f"got x of shape {tuple(x.shape)}; flatten the batch to (1, B*T, D) first.")
-    if x.device.type != "cuda":
-        return torch_causal_conv1d(x, weight, cu_seqlens)
-    return _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu)
-
-
-@torch.compiler.disable  # one graph break under compile, as the FLA call in gated_delta_rule.py
-def _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu):
-    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # lazy: needs triton and a GPU
-
-    y, _ = fla_causal_conv1d(x, weight, activation="silu", **fla_varlen_args(cu_seqlens, cu_seqlens_cpu, x.device))
-    return y.to(x.dtype)
+def document_history(position_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """(numel,) int32: for each token of rows of position ids (last dimension: the row), how many earlier tokens
+    of its document it has, counting up to width - 1. A document starts where the position is 0, and at every
+    row start (as documents.py derives cu_seqlens)."""
+    rows = position_ids.reshape(-1, position_ids.shape[-1])
+    first = torch.arange(rows.shape[1], device=rows.device) == 0
+    continues = ((rows != 0) & ~first).to(torch.int32)  # 1 where a token is not a document start
+    history, run = torch.zeros_like(continues), continues
+    for back in range(1, width):  # tap `back` reaches x[t - back] if tokens t - back + 1 ... t all continue
+        history = history + run
+        run = run * F.pad(continues, (back, 0))[:, :rows.shape[1]]  # continues[t - back], 0 before the row
+    return history.reshape(-1)
 
 
 @torch.compiler.disable  # eager under compile: its check reads cu_seqlens on the host (a recompile per layout)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import Qwen35MoeArgs
-from .causal_conv import causal_conv1d
+from .causal_conv import causal_conv1d_qkv
 from .documents import DocumentLayout
 from .gated_delta_net_fp32 import HOLDER_NAME, Fp32ParamsModule, at_least_fp32
 from .gated_delta_rule import gated_delta_rule
@@ -100,8 +100,8 @@ class CPAwareGatedDeltaNet(nn.Module):
         # Weights in the input's dtype (linear.py: a no-op under FSDP's bf16 policy).
         w_qkv = _rows(self.in_proj_qkv.weight, qkv_rows, groups).to(x.dtype)
         w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups).to(x.dtype)
-        qkv = causal_conv1d(F.linear(x, w_qkv), w_conv, cu_seqlens, cu_seqlens_cpu)  # (b, t, C / groups)
-        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = causal_conv1d_qkv(F.linear(x, w_qkv), w_conv, (hk * dk, hk * dk, hv * dv), layout.position_ids,
+                                    cu_seqlens)  # each (b, t, part)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
         beta = F.linear(x, _rows(self.in_proj_b.weight, [heads], groups).to(x.dtype)).sigmoid()  # (b, t, hv)
         a = F.linear(x, _rows(self.in_proj_a.weight, [heads], groups).to(x.dtype))

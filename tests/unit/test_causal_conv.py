@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_moe.causal_conv import causal_conv1d, torch_causal_conv1d
+from models.qwen35_moe.causal_conv import causal_conv1d_qkv, torch_causal_conv1d
 
 FP64_TOL = dict(rtol=1e-12, atol=1e-12)
 D, W = 5, 4
@@ -50,14 +50,29 @@ def test_gradients_pass_gradcheck():
     assert torch.autograd.gradcheck(lambda x, w: torch_causal_conv1d(x, w, torch.tensor([0, 2, 9])), (x, weight))
 
 
-def test_causal_conv1d_on_cpu_keeps_the_input_dtype():
+def test_causal_conv1d_qkv_on_cpu_is_the_reference_split_in_the_input_dtype():
     x, weight = (t.detach().to(torch.bfloat16) for t in make_inputs(1, 12))
-    y = causal_conv1d(x, weight, torch.tensor([0, 5, 12]))
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, torch_causal_conv1d(x, weight, torch.tensor([0, 5, 12])))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    q, k, v = causal_conv1d_qkv(x, weight, (1, 1, 3), positions, torch.tensor([0, 5, 12]))
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+    assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (1, 1, 3)
+    torch.testing.assert_close(torch.cat((q, k, v), -1), torch_causal_conv1d(x, weight, torch.tensor([0, 5, 12])))
 
 
 def test_cu_seqlens_with_batch_larger_than_one_is_refused():
     x, weight = make_inputs(2, 6)
     with pytest.raises(ValueError, match="batch size must be 1"):
-        causal_conv1d(x, weight, torch.tensor([0, 6, 12]))
+        causal_conv1d_qkv(x, weight, (1, 1, 3), torch.arange(6).expand(2, 6), torch.tensor([0, 6, 12]))
+
+
+def test_document_history_counts_each_tokens_earlier_tokens_in_its_document_from_cu_seqlens():
+    """The CUDA kernel's document resets (document_history) against the cu_seqlens documents.py derives from the
+    same position ids: rows starting mid-document, documents of 1 and 2 tokens, a row shorter than the width."""
+    from models.qwen35_moe.causal_conv import document_history
+    from models.qwen35_moe.documents import document_layout
+
+    for positions in (torch.tensor([[5, 6, 7, 0, 1, 2, 3, 4, 0, 0, 1], [0, 1, 2, 3, 0, 1, 0, 0, 9, 10, 11]]),
+                      torch.tensor([[3, 4], [0, 0]])):
+        cu = document_layout(positions, *positions.shape, torch.device("cpu")).cu_seqlens.tolist()
+        expected = [min(t - max(c for c in cu if c <= t), W - 1) for t in range(positions.numel())]
+        assert document_history(positions, W).tolist() == expected
