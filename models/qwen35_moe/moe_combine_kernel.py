@@ -24,31 +24,33 @@ from torch.library import triton_op, wrap_triton
 
 
 def _configs(blocks_d: tuple[int, ...]) -> list[triton.Config]:
-    # Tiles of BLOCK_K x BLOCK_D elements; picked per (D, K) on first use (a few compiles, then cached).
+    # Column blocks of BLOCK_D; picked per (D, K) and dtypes on first use (a few compiles, then cached).
     return [triton.Config({"BLOCK_D": b}, num_warps=w) for b in blocks_d for w in (4, 8)]
 
 
 @triton.autotune(_configs((256, 512, 1024)), key=["D", "K", "HAS_WEIGHTS"])
 @triton.jit
 def _weighted_row_sum(src, index, weights, out, D, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Program (token, column block): one tile of the token's k rows, no loop, so that many loads are in flight.
+                      BLOCK_D: tl.constexpr):
+    # Program (token, column block): the token's k rows, unrolled so that their loads are in flight together.
+    # Summed slot after slot, each column by one thread: the same sum whatever tile the autotuner picks (it picks
+    # per output dtype, and expert parallelism's fp32 partial sums must equal the bf16 path's bitwise).
     token = tl.program_id(0).to(tl.int64)
-    slots = tl.arange(0, BLOCK_K)
-    in_k = slots < K
-    rows = tl.load(index + token * K + slots, mask=in_k, other=0).to(tl.int64)
-    if HAS_WEIGHTS:
-        w = tl.load(weights + token * K + slots, mask=in_k, other=0.0).to(tl.float32)
-    else:
-        w = tl.where(in_k, 1.0, 0.0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = cols < D
-    x = tl.load(src + rows[:, None] * D + cols[None, :], mask=in_k[:, None] & in_d[None, :], other=0.0)
-    acc = tl.sum(x.to(tl.float32) * w[:, None], axis=0)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(index + token * K + j).to(tl.int64)
+        x = tl.load(src + row * D + cols, mask=in_d, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            x = x * tl.load(weights + token * K + j).to(tl.float32)
+        acc += x
     tl.store(out + token * D + cols, acc.to(out.dtype.element_ty), mask=in_d)
 
 
-@triton.autotune(_configs((128, 256, 512)), key=["D", "K"])
+# One tile, not autotuned: the dot products' reduction order follows the tile, and the autotuner picks per
+# gradient dtype (expert parallelism's fp32 gradients must give the bf16 path's results bitwise).
+@triton.autotune([triton.Config({"BLOCK_D": 256}, num_warps=4)], key=["D", "K"])
 @triton.jit
 def _weighted_row_sum_backward(grad_out, src, index, weights, grad_src, grad_weights, D, K: tl.constexpr,
                                BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -94,7 +96,7 @@ def weighted_row_sum(src: torch.Tensor, index: torch.Tensor, weights: torch.Tens
     out = torch.empty(n, src.shape[1], dtype=out_dtype, device=src.device)
     if n:
         wrap_triton(_weighted_row_sum)[_grid(n, src.shape[1])](src, index, weights.contiguous(), out, src.shape[1],
-                                                               K=k, HAS_WEIGHTS=True, BLOCK_K=_pow2(k))
+                                                               K=k, HAS_WEIGHTS=True)
     return out
 
 
@@ -107,7 +109,7 @@ def row_group_sum(src: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tenso
     out = torch.empty(n, src.shape[1], dtype=src.dtype, device=src.device)
     if n:
         wrap_triton(_weighted_row_sum)[_grid(n, src.shape[1])](src, index, src, out, src.shape[1], K=k,
-                                                               HAS_WEIGHTS=False, BLOCK_K=_pow2(k))
+                                                               HAS_WEIGHTS=False)
     return out
 
 

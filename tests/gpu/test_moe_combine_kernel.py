@@ -56,6 +56,28 @@ def test_weighted_row_sum_and_its_gradients_equal_float64(n, k, d):
     torch.testing.assert_close(w_.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_forward_sums_do_not_depend_on_the_tile_or_the_output_dtype():
+    """Every autotune config gives the same fp32 sums bitwise, and the bf16 output is their rounding: the
+    autotuner picks per output dtype, and expert parallelism's fp32 partial sums, rounded after its exchange,
+    must give the bf16 path's outputs bitwise (tests/gpu/test_expert_parallel_cuda.py)."""
+    import triton
+
+    from models.qwen35_moe.moe_combine_kernel import _weighted_row_sum, weighted_row_sum
+
+    n, k, d = 300, 8, 2096
+    src, index, weights, _ = _inputs(n, k, d, seed=3)
+    sums = []
+    for config in _weighted_row_sum.configs:
+        out = torch.empty(n, d, device="cuda")
+        block = config.kwargs["BLOCK_D"]
+        _weighted_row_sum.fn[(n, triton.cdiv(d, block))](src, index, weights, out, d, K=k, HAS_WEIGHTS=True,
+                                                         BLOCK_D=block, num_warps=config.num_warps)
+        sums.append(out)
+    for other in sums[1:]:
+        assert torch.equal(other, sums[0])
+    assert torch.equal(weighted_row_sum(src, index, weights, torch.bfloat16), sums[0].to(torch.bfloat16))
+
+
 def test_row_group_sum_equals_float64_sum():
     from models.qwen35_moe.moe_combine_kernel import row_group_sum
 
