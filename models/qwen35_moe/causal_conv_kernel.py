@@ -34,19 +34,6 @@ def _configs(*tiles: tuple[int, int, int]) -> list[triton.Config]:
 ELEMENTWISE_TILES = _configs((16, 128, 2), (16, 256, 4), (32, 64, 2), (32, 128, 4))
 
 
-@triton.autotune(ELEMENTWISE_TILES, key=["C", "W"])
-@triton.jit
-def _conv_silu_forward(x, history, weight, y, N, channels, col0, C, W: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Program (row block, column block) of one part: columns col0 ... col0 + C - 1 of x, all of y's.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    in_t, in_c = rows < N, cols < C
-    z = _preactivation(x, history, weight, rows, in_t, col0 + cols, in_c, channels, W, BLOCK_T, BLOCK_C)
-    tl.store(y + rows[:, None] * C + cols[None, :], (z * tl.sigmoid(z)).to(y.dtype.element_ty),
-             mask=in_t[:, None] & in_c[None, :])
-
-
 @triton.jit
 def _preactivation(x, history, weight, rows, in_t, x_cols, in_c, channels, W: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_C: tl.constexpr):
@@ -59,6 +46,19 @@ def _preactivation(x, history, weight, rows, in_t, x_cols, in_c, channels, W: tl
                      other=0.0).to(tl.float32)
         z += xj * w[None, :]
     return z
+
+
+@triton.autotune(ELEMENTWISE_TILES, key=["C", "W"])
+@triton.jit
+def _conv_silu_forward(x, history, weight, y, N, channels, col0, C, W: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Program (row block, column block) of one part: columns col0 ... col0 + C - 1 of x, all of y's.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_t, in_c = rows < N, cols < C
+    z = _preactivation(x, history, weight, rows, in_t, col0 + cols, in_c, channels, W, BLOCK_T, BLOCK_C)
+    tl.store(y + rows[:, None] * C + cols[None, :], (z * tl.sigmoid(z)).to(y.dtype.element_ty),
+             mask=in_t[:, None] & in_c[None, :])
 
 
 @triton.autotune(ELEMENTWISE_TILES, key=["C", "W"])
@@ -78,7 +78,8 @@ def _conv_silu_output_grad(x, history, weight, dy, dz, N, channels, col0, C, W: 
 
 @triton.autotune(_configs((8, 128, 2), (16, 64, 2), (16, 128, 4), (32, 64, 4)), key=["channels", "W"])
 @triton.jit
-def _conv_transpose(x, history, weight, dz, dx, dw_partial, N, channels, W: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_transpose(x, history, weight, dz, dx, dw_partial, N, channels, W: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     # Program (block of ROWS rows, column block): dx[t] = sum_j w_j * dz[t + j] over the outputs t + j whose tap
     # j reaches back to t, and the block's partial weight gradient sum_t dz[t + j] * x[t] per tap j.
     tl.static_assert(W <= 4)  # one accumulator per tap below
@@ -137,8 +138,8 @@ def _part_starts(parts: list[int]) -> list[int]:
 def causal_conv_silu_qkv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
                          parts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (N, C) tokens, weight (C, W), history (N,) int32 how many earlier tokens of its document each token has
-    (at least W - 1 counts as W - 1; causal_conv.document_history) -> the conv + SiLU of x's channels split into three parts
-    of `parts` channels, each (N, part) contiguous, in x's dtype."""
+    (at least W - 1 counts as W - 1; causal_conv.document_history) -> the conv + SiLU of x's channels split into
+    three parts of `parts` channels, each (N, part) contiguous, in x's dtype."""
     _check(x, weight, history, parts)
     n, width = x.shape[0], weight.shape[1]
     outs = []
