@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.qwen35_moe.causal_conv import causal_conv1d_qkv  # noqa: E402
+from models.qwen35_moe.documents import document_layout  # noqa: E402
 
 
 def gpu_ms_per_call(fn, calls: int, warmup: int = 5) -> float:
@@ -51,9 +52,9 @@ def main() -> int:
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
 
     parts, channels, n = ns.parts, sum(ns.parts), ns.rows * ns.seq
-    positions = (torch.arange(ns.seq) % ns.document).expand(ns.rows, ns.seq).cuda()
-    starts = (positions == 0).reshape(-1).nonzero().squeeze(1)
-    cu_seqlens = torch.cat([starts, torch.tensor([n], device="cuda")]).to(torch.int32)
+    positions = (torch.arange(ns.seq) % ns.document).expand(ns.rows, ns.seq)
+    cu_seqlens = document_layout(positions, ns.rows, ns.seq, torch.device("cpu")).cu_seqlens.cuda()
+    positions = positions.cuda()
     x = torch.randn(1, n, channels, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(channels, 4, device="cuda") / 2).to(torch.bfloat16).requires_grad_()
     grads = [torch.randn(1, n, c, device="cuda", dtype=torch.bfloat16) for c in parts]

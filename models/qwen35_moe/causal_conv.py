@@ -9,6 +9,8 @@ out[t] = silu(sum_{j<W} weight[:, W-1-j] * x[t-j]), taps before the start of t's
 import torch
 import torch.nn.functional as F
 
+from .documents import document_starts
+
 
 def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None):
     """x (B, T, C); weight (C, W) (HF's conv1d.weight (C, 1, W) squeezed); parts: the channels of q, k and v
@@ -28,11 +30,10 @@ def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None):
 
 def document_history(position_ids: torch.Tensor, width: int) -> torch.Tensor:
     """(numel,) int32: for each token of rows of position ids (last dimension: the row), how many earlier tokens
-    of its document it has, counting up to width - 1. A document starts where the position is 0, and at every
-    row start (as documents.py derives cu_seqlens)."""
+    of its document it has, counting up to width - 1, with the document starts that cu_seqlens is derived from
+    (documents.document_starts)."""
     rows = position_ids.reshape(-1, position_ids.shape[-1])
-    first = torch.arange(rows.shape[1], device=rows.device) == 0
-    continues = ((rows != 0) & ~first).to(torch.int32)  # 1 where a token is not a document start
+    continues = (~document_starts(rows)).to(torch.int32)  # 1 where a token is not a document start
     history, run = torch.zeros_like(continues), continues
     for back in range(1, width):  # tap `back` reaches x[t - back] if tokens t - back + 1 ... t all continue
         history = history + run

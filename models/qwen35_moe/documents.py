@@ -59,6 +59,13 @@ def to_device(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return t.to(device, non_blocking=True)
 
 
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where documents start in rows of position ids (last dimension: the row): at position 0, and at every row's
+    first token, even where a row continues a document from the row before."""
+    first = torch.arange(position_ids.shape[-1], device=position_ids.device) == 0
+    return (position_ids == 0) | first
+
+
 def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
     """Derive the document layout of a (B, S) batch from its position ids (None: one document per row)."""
     if position_ids is None:
@@ -66,8 +73,7 @@ def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int,
         return DocumentLayout(position_ids=position_ids, max_seqlen=seq_len)
     if position_ids.shape != (batch, seq_len):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(batch, seq_len)}")
-    starts = position_ids == 0
-    starts[:, 0] = True  # a row always starts a document, even mid-document continuation rows
+    starts = document_starts(position_ids)
     # One host sync per forward: kernels need to know whether rows are packed at all.
     if int(starts.sum()) == batch:
         return DocumentLayout(position_ids=position_ids, max_seqlen=seq_len)
@@ -115,8 +121,7 @@ def context_parallel_segments(layout: DocumentLayout) -> ContextParallelSegments
     local = index.numel()
     device = index.device
     positions = torch.arange(seq, device=device)
-    starts = whole.position_ids == 0
-    starts[:, 0] = True
+    starts = document_starts(whole.position_ids)
     doc_start = torch.cummax(torch.where(starts, positions, 0), dim=1).values  # (B, S) row position of its doc's start
     # A segment starts at each row's first local token, where the local tokens jump (a chunk edge), and at each
     # document start.

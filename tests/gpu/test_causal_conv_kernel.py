@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from models.qwen35_moe.causal_conv import causal_conv1d_qkv, torch_causal_conv1d
+from models.qwen35_moe.documents import document_layout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA GPU")
 
@@ -30,10 +31,8 @@ def packed_positions() -> torch.Tensor:
 
 
 def cu_seqlens_of(positions: torch.Tensor) -> torch.Tensor:
-    starts = positions.cpu() == 0
-    starts[:, 0] = True
-    flat = starts.reshape(-1).nonzero().squeeze(1)
-    return torch.cat([flat, torch.tensor([positions.numel()])]).to(torch.int32)
+    """The packed documents over the flattened rows, as the model derives them for the torch path."""
+    return document_layout(positions.cpu(), *positions.shape, torch.device("cpu")).cu_seqlens
 
 
 def inputs(seed=0):
