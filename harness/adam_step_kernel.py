@@ -1,5 +1,7 @@
 """One Adam/AdamW step of one parameter in one Triton kernel (fast_adam.py): reads the fp32 parameter, gradient
-and two moments once, writes the parameter and moments once, with torch's Adam math in fp32. CUDA only."""
+and two moments once, writes the parameter and moments once, with torch's Adam math in fp32, and, if the parameter
+has a kept copy in a half-precision compute dtype (models/qwen35_moe/linear.py), the new value rounded into it.
+CUDA only."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _adam_step(param, grad, exp_avg, exp_avg_sq, grad_scale, n, lr, beta1, beta2, eps, weight_decay,
+def _adam_step(param, grad, exp_avg, exp_avg_sq, grad_scale, copy, n, lr, beta1, beta2, eps, weight_decay,
                step_size, bias_correction2_sqrt, DECOUPLED: tl.constexpr, SCALED: tl.constexpr,
-               BLOCK: tl.constexpr):
+               COPY: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = tl.load(param + offsets, mask=mask)
@@ -28,23 +30,32 @@ def _adam_step(param, grad, exp_avg, exp_avg_sq, grad_scale, n, lr, beta1, beta2
     v = v * beta2 + (1 - beta2) * g * g
     p = p - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
     tl.store(param + offsets, p, mask=mask)
+    if COPY:
+        tl.store(copy + offsets, p.to(copy.dtype.element_ty), mask=mask)  # round to nearest even, as torch casts
     tl.store(exp_avg + offsets, m, mask=mask)
     tl.store(exp_avg_sq + offsets, v, mask=mask)
 
 
 def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
-               bias_correction1: float, bias_correction2_sqrt: float, grad_scale: torch.Tensor | None) -> None:
-    """In place on contiguous fp32 CUDA tensors of one shape; `grad_scale` (a device scalar) divides the gradient."""
+               bias_correction1: float, bias_correction2_sqrt: float, grad_scale: torch.Tensor | None,
+               copy: torch.Tensor | None = None) -> None:
+    """In place on contiguous fp32 CUDA tensors of one shape; `grad_scale` (a device scalar) divides the gradient;
+    `copy` (bf16 or fp16, contiguous, the parameter's shape) receives the updated parameter rounded."""
     for t in (param, grad, exp_avg, exp_avg_sq):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape:
             raise ValueError(f"adam_step_: fp32 contiguous tensors of the parameter's shape {tuple(param.shape)} "
                              f"expected, got {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+    if copy is not None and (copy.dtype not in (torch.bfloat16, torch.float16) or not copy.is_contiguous()
+                             or copy.shape != param.shape):
+        raise ValueError(f"adam_step_: the copy must be a contiguous bf16 or fp16 tensor of shape "
+                         f"{tuple(param.shape)}, got {copy.dtype} {tuple(copy.shape)}")
     n = param.numel()
     if n == 0:
         return
     block = 2048
     _adam_step[(triton.cdiv(n, block),)](
-        param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param, n, lr, beta1, beta2,
-        eps, weight_decay, lr / bias_correction1, bias_correction2_sqrt, DECOUPLED=decoupled,
-        SCALED=grad_scale is not None, BLOCK=block, num_warps=8)
+        param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param,
+        copy if copy is not None else param, n, lr, beta1, beta2, eps, weight_decay, lr / bias_correction1,
+        bias_correction2_sqrt, DECOUPLED=decoupled, SCALED=grad_scale is not None, COPY=copy is not None,
+        BLOCK=block, num_warps=8)

@@ -7,6 +7,11 @@ The math, the state (step, exp_avg, exp_avg_sq) and so the state dict and checkp
 (a device scalar every gradient is divided by as it is read, as in torch's fused step) carries the gradient
 clipping without a pass of its own (parallel/grad_norm.py). Tensors the kernel does not take (off CUDA, not fp32,
 not contiguous) get the same math from torch's ops (torch's single-tensor Adam).
+
+`weight_copies` (models/qwen35_moe/linear.py, one GPU): the kernel also writes each updated parameter's kept copy
+in the compute dtype (2 bytes per parameter), so the forward reads it instead of casting the weight. The kernel
+writes the parameter without bumping its version counter, which is what tells the copy current; the torch path
+bumps it, and the model then recasts the copy before its next forward.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ class FastAdam(torch.optim.Adam):
     """torch.optim.Adam (decoupled_weight_decay=True: AdamW); no amsgrad, maximize or complex parameters."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
-                 decoupled_weight_decay: bool = True):
+                 decoupled_weight_decay: bool = True, weight_copies=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False,
                          decoupled_weight_decay=decoupled_weight_decay)
         self.grad_scale: torch.Tensor | None = None
+        self.weight_copies = weight_copies
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -50,11 +56,15 @@ class FastAdam(torch.optim.Adam):
                 step = state["step"].item()
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 on_kernel = all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-                update = _triton_step() if on_kernel else adam_step_torch_
-                update(*tensors, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                       weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                       bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
-                       grad_scale=self.grad_scale)
+                hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                             bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
+                             grad_scale=self.grad_scale)
+                if on_kernel:
+                    copy = None if self.weight_copies is None else self.weight_copies.copy_of(p)
+                    _triton_step()(*tensors, **hyper, copy=copy)
+                else:
+                    adam_step_torch_(*tensors, **hyper)
         return None
 
 

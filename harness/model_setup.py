@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
+from models.qwen35_moe.linear import WeightCopies
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
 from parallel.vocab_parallel import resolve_vocab_parallel
@@ -74,6 +75,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
+    if on_gpu and model.compute_dtype is not None:  # one GPU: weights read from kept copies, not cast (linear.py)
+        model.weight_copies = WeightCopies(model, model.compute_dtype)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
                 "FSDP" if isinstance(model, FSDPModule) else "one process, no FSDP", device)

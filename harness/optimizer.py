@@ -19,6 +19,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     # Adam applies weight_decay as an L2 term in the gradient, AdamW decoupled from it.
     if device.type == "cuda":
         return FastAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                        decoupled_weight_decay=cfg.name == "AdamW")
+                        decoupled_weight_decay=cfg.name == "AdamW",
+                        weight_copies=getattr(model, "weight_copies", None))  # one GPU: kept bf16 copies
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)

@@ -169,19 +169,21 @@ class Trainer:
         distributed = self.meshes is not None
         inputs = [self.model_inputs(mb) for mb in microbatches]
         n_tokens = global_label_tokens(inputs, self.device, distributed)
+        # Each micro-batch's loss is its share of the global loss; FSDP averages gradients over all ranks
+        # (dp_replicate x dp_shard x cp), so the shares are scaled by their number to give the gradient of the global
+        # loss (the sum of the shares'). The cross entropy's scale is known before the forward: the model computes
+        # its gradients already scaled by it, and the backward below gives it exactly that gradient.
+        ce_grad_scale = self.dims.world_size / n_tokens
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
         step_counts = 0
         for mb in inputs:
-            out = self.model(**mb)
-            ce = out.ce_sum / n_tokens  # this micro-batch's share of the global token-mean cross entropy
+            out = self.model(**mb, loss_grad_scale=ce_grad_scale)
             aux, pooled_counts = balance_loss_share(out.router_stats, distributed)
             aux = aux / len(microbatches)
             step_counts = step_counts + pooled_counts
-            # Shares of the global loss; FSDP averages gradients over all ranks (dp_replicate x dp_shard x cp), so
-            # scale by their number to get the gradient of the global loss (the sum of the shares').
-            ((ce + self.aux_loss_coef * aux) * self.dims.world_size).backward()
-            ce_total += ce.detach()
+            (out.ce_sum * ce_grad_scale + aux * (self.aux_loss_coef * self.dims.world_size)).backward()
+            ce_total += out.ce_sum.detach() / n_tokens  # this micro-batch's share of the global token-mean CE
             aux_total += aux.detach()
         if self.dims.ep > 1:
             scale_expert_gradients(self.model, self.dims.ep)

@@ -152,6 +152,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     the middle of the block's forward and backward, each a point where both ranks' compute waited on the other.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # The root and the lm_head take no floating input that needs a cast (ids, the layout's integers, and hidden
+    # states already in the compute dtype), and one that must not be cast: the loss's fp32 gradient scale.
+    mp_uncast = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     # No cast: these units all-gather, compute and reduce in their parameters' own dtype, fp32 by contract.
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
@@ -180,8 +183,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     if not vocab_parallel and model.lm_head.weight is not model.embed_tokens.weight:
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         model.embed_tokens.set_unshard_in_backward(False)
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=reshard_after_forward,
                 ignored_params=set(vocab_params) or None)
     first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
     model.set_modules_to_forward_prefetch([*first, layers[0]])

@@ -44,8 +44,8 @@ def _write_softmax_grad(base, V, lse, target, keep, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cross_entropy_rows(logits, stride, labels, loss, V, ignore_index, WRITE_GRAD: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _cross_entropy_rows(logits, stride, labels, loss, grad_scale, V, ignore_index, WRITE_GRAD: tl.constexpr,
+                        SCALED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride
     label = tl.load(labels + row)
@@ -56,7 +56,10 @@ def _cross_entropy_rows(logits, stride, labels, loss, V, ignore_index, WRITE_GRA
     lse = running_max + tl.log(running_sum)
     tl.store(loss + row, tl.where(valid, lse - target_logit, 0.0))
     if WRITE_GRAD:
-        _write_softmax_grad(base, V, lse, target, tl.where(valid, 1.0, 0.0), BLOCK)  # ignored rows: zero
+        keep = tl.where(valid, 1.0, 0.0)  # ignored rows: zero
+        if SCALED:
+            keep = keep * tl.load(grad_scale)
+        _write_softmax_grad(base, V, lse, target, keep, BLOCK)
 
 
 @triton.jit
@@ -85,17 +88,18 @@ def _check_rows(logits: torch.Tensor) -> None:
         raise ValueError("cross entropy kernel: the logits' rows must be contiguous")
 
 
-def cross_entropy_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                        write_grad: bool) -> torch.Tensor:
+def cross_entropy_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, write_grad: bool,
+                        grad_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row cross entropy (fp32, 0 where labels == ignore_index) of `logits` (N, V), contiguous rows on CUDA;
     if write_grad, overwrites `logits` with d (summed loss) / d logits (softmax minus one-hot, zero rows where
-    ignored), in the logits' dtype."""
+    ignored), in the logits' dtype, times `grad_scale` (an fp32 device scalar) if given."""
     _check_rows(logits)
     n, vocab = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        _cross_entropy_rows[(n,)](logits, logits.stride(0), labels, loss, vocab, ignore_index,
-                                  WRITE_GRAD=write_grad, BLOCK=4096, num_warps=16)
+        _cross_entropy_rows[(n,)](logits, logits.stride(0), labels, loss, loss if grad_scale is None else grad_scale,
+                                  vocab, ignore_index, WRITE_GRAD=write_grad, SCALED=grad_scale is not None,
+                                  BLOCK=4096, num_warps=16)
     return loss
 
 

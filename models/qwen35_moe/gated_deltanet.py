@@ -17,7 +17,7 @@ from .causal_conv import causal_conv1d_qkv
 from .documents import DocumentLayout
 from .gated_delta_net_fp32 import HOLDER_NAME, Fp32ParamsModule, at_least_fp32
 from .gated_delta_rule import gated_delta_rule
-from .linear import Linear
+from .linear import Linear, weight_in
 from .norms import GatedRMSNorm
 
 
@@ -97,20 +97,20 @@ class CPAwareGatedDeltaNet(nn.Module):
         if cu_seqlens is not None:
             x = x.reshape(1, batch * seq, -1)  # varlen kernels take one flattened stream
         tokens = x.shape[:2]
-        # Weights in the input's dtype (linear.py: a no-op under FSDP's bf16 policy).
-        w_qkv = _rows(self.in_proj_qkv.weight, qkv_rows, groups).to(x.dtype)
+        # Weights in the input's dtype (linear.py: kept copies on one GPU, a no-op under FSDP's bf16 policy).
+        w_qkv = _rows(weight_in(self.in_proj_qkv, "weight", x.dtype), qkv_rows, groups)
         w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups).to(x.dtype)
         q, k, v = causal_conv1d_qkv(F.linear(x, w_qkv), w_conv, (hk * dk, hk * dk, hv * dv), layout.position_ids,
                                     cu_seqlens)  # each (b, t, part)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
-        beta = F.linear(x, _rows(self.in_proj_b.weight, [heads], groups).to(x.dtype)).sigmoid()  # (b, t, hv)
-        a = F.linear(x, _rows(self.in_proj_a.weight, [heads], groups).to(x.dtype))
+        beta = F.linear(x, _rows(weight_in(self.in_proj_b, "weight", x.dtype), [heads], groups)).sigmoid()  # (b, t, hv)
+        a = F.linear(x, _rows(weight_in(self.in_proj_a, "weight", x.dtype), [heads], groups))
         g = self._fp32_params(a, heads)  # fp32
 
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
-        z = F.linear(x, _rows(self.in_proj_z.weight, [values], groups).to(x.dtype)).reshape(*tokens, hv, dv)
+        z = F.linear(x, _rows(weight_in(self.in_proj_z, "weight", x.dtype), [values], groups)).reshape(*tokens, hv, dv)
         o = self.norm(o, z).reshape(batch, seq, hv * dv)
-        return F.linear(o, _columns(self.out_proj.weight, values, groups).to(o.dtype))
+        return F.linear(o, _columns(weight_in(self.out_proj, "weight", o.dtype), values, groups))
 
 
 def _shift(s: slice, offset: int) -> slice:

@@ -1,7 +1,16 @@
 """The model's one mixed-precision rule: a module computes in the dtype of its input activations and casts its
 weights to it where they differ. Under FSDP's bf16 policy the gathered weights already are bf16 and the casts
 do nothing; on one GPU, where the model is not sharded at all, the fp32 weights are cast at each use (their
-gradients flow back through the cast in fp32). The fp32-contract modules (gated_delta_net_fp32.py) upcast instead."""
+gradients flow back through the cast in fp32). The fp32-contract modules (gated_delta_net_fp32.py) upcast instead.
+
+Kept copies (one GPU): casting the fp32 weights at each use reads 4 and writes 2 bytes per parameter every step
+(on an H200, 2.6 ms of a 132 ms step of benchmarks/hf_baseline.py's 8-layer model). `WeightCopies` gives
+each weight it covers a copy in the compute dtype, which the optimizer rewrites as it updates the weight
+(harness/fast_adam.py, 2 bytes per parameter) and which is then read in place of the cast. A copy is only used
+while it is current: any other in-place change of the weight (a checkpoint or HF load, an init, another optimizer)
+bumps the weight's version counter, and the model's forward recasts the copies whose weight changed
+(`WeightCopies.refresh`). The gradient flows to the fp32 weight as through the cast.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +19,73 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _KeptCopy(torch.autograd.Function):
+    """The weight's copy in place of weight.to(dtype): the copy's values forward, the gradient to the weight in the
+    weight's dtype (as the cast's backward gives it)."""
+
+    @staticmethod
+    def forward(ctx, weight, copy):
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def weight_in(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The module's weight `name` in `dtype`: its kept copy when it has one in that dtype, else a cast."""
+    weight, copy = getattr(module, name), getattr(module, name + "_copy", None)
+    if copy is not None and copy.dtype == dtype:
+        return _KeptCopy.apply(weight, copy)
+    return weight.to(dtype)
+
+
+class WeightCopies:
+    """The kept copies of a model's weights in `dtype`: every weight named in a module's `copied_weights` (Linear's,
+    the routed experts') gets one, as the buffer `<name>_copy` (not in the state dict). For plain (unsharded)
+    parameters: one GPU. Each weight's version is recorded when its copy is made from it."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self.make()
+
+    @torch.no_grad()
+    def make(self) -> None:
+        """(Re)make every copy from its weight (also after the model's parameters were replaced, e.g. by `.to()`)."""
+        self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for module in self.model.modules():
+            for name in getattr(module, "copied_weights", ()):
+                weight = getattr(module, name)
+                copy = weight.detach().to(self.dtype, copy=True)
+                setattr(module, name + "_copy", copy)
+                self.pairs.append((weight, copy))
+        self.versions = [weight._version for weight, _ in self.pairs]
+        self.by_weight = dict(self.pairs)
+
+    def copy_of(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The kept copy of `weight`, which an optimizer updating the weight in place without bumping its version
+        counter (FastAdam's kernel) must rewrite along with it; None if it has none."""
+        return self.by_weight.get(weight)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Recast the copies whose weight changed in place since they were made (the model's forward calls it)."""
+        for i, (weight, copy) in enumerate(self.pairs):
+            if weight._version != self.versions[i]:
+                copy.copy_(weight)
+                self.versions[i] = weight._version
+
+
 class Linear(nn.Linear):
     """nn.Linear in its input's dtype (same parameters and state-dict keys)."""
 
+    copied_weights = ("weight",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("weight_copy", None, persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype), bias)
+        return F.linear(x, weight_in(self, "weight", x.dtype), bias)

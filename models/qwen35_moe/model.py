@@ -19,6 +19,7 @@ from torch import nn
 from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, context_parallel_layout, document_layout
+from .linear import WeightCopies
 from .linear_cross_entropy import LMHead
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .init import init_weights
@@ -92,6 +93,8 @@ class Qwen35MoeModel(nn.Module):
         # the parallelize function): the embedding's output is cast to it, and every module follows its input
         # (linear.py). None: the embedding weight's dtype.
         self.compute_dtype: torch.dtype | None = None
+        # Kept copies of the weights in compute_dtype (linear.py; one GPU), recast before a forward where stale.
+        self.weight_copies: WeightCopies | None = None
 
     def _apply(self, fn, recurse=True):
         # `to_empty`, `.to()` and the like give each module a new Parameter for every tensor they convert (a tensor
@@ -100,6 +103,8 @@ class Qwen35MoeModel(nn.Module):
         result = super()._apply(fn, recurse)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if self.weight_copies is not None:  # the copies of the new parameters (the optimizer finds them here)
+            self.weight_copies.make()
         return result
 
     def init_weights(self, seed: int = 0) -> None:
@@ -109,12 +114,14 @@ class Qwen35MoeModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
-                layout: DocumentLayout | None = None) -> CausalLMOutput:
+                layout: DocumentLayout | None = None, loss_grad_scale: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
         document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
         -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time.
         `layout`: the batch's document layout derived on the host (documents.py; under context parallelism
-        with its whole rows), in place of position_ids: spares the GPU the syncs of deriving it."""
+        with its whole rows), in place of position_ids: spares the GPU the syncs of deriving it.
+        `loss_grad_scale`: the gradient ce_sum will be backpropagated with, if known now (an fp32 0-dim tensor):
+        the loss then computes its gradients already scaled (linear_cross_entropy.linear_cross_entropy_sum)."""
         batch, seq = input_ids.shape
         # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
         # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
@@ -131,6 +138,8 @@ class Qwen35MoeModel(nn.Module):
             whole = self._cp.gather_positions(position_ids)
             layout = context_parallel_layout(position_ids, whole, self._cp.token_index(whole.shape[1], whole.device))
 
+        if self.weight_copies is not None:
+            self.weight_copies.refresh()
         h = self.embed_tokens(input_ids)  # rows looked up, then cast: the table's gradient is summed in its own dtype
         if self.compute_dtype is not None:
             h = h.to(self.compute_dtype)
@@ -144,5 +153,5 @@ class Qwen35MoeModel(nn.Module):
         h = self.norm(h)
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(h), router_stats=stats)
-        ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens)
+        ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, grad_scale=loss_grad_scale)
         return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum)

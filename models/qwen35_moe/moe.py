@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .args import Qwen35MoeArgs
-from .linear import Linear
+from .linear import Linear, weight_in
 
 
 class FeedForward(nn.Module):
@@ -119,11 +119,15 @@ class RoutedExperts(nn.Module):
     own E / ep experts (the rows of `counts` are then its local experts).
     """
 
+    copied_weights = ("gate_up_proj", "down_proj")  # kept copies in the compute dtype on one GPU (linear.py)
+
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.register_buffer("gate_up_proj_copy", None, persistent=False)
+        self.register_buffer("down_proj_copy", None, persistent=False)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D). Rows past sum(counts) belong to no
@@ -135,8 +139,8 @@ class RoutedExperts(nn.Module):
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's experts' weights (the local shard under expert parallelism) in the compute dtype."""
-        return tuple((w.to_local() if isinstance(w, DTensor) else w).to(dtype)
-                     for w in (self.gate_up_proj, self.down_proj))
+        return tuple(w.to_local().to(dtype) if isinstance(w, DTensor) else weight_in(self, name, dtype)
+                     for name, w in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)))
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.

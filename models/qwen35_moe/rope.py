@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 
+# An opaque op under torch.compile: inductor would inline these few pointwise ops into every consumer, computing
+# the powers, cosines and sines again for each head's element of q and k and once more in the backward. As an op
+# they are computed once per token, and the rotation reads them: on an H200 at 35B-A3B widths, the rotation
+# kernels of a step's two attention layers took 0.88 ms, and 0.25 ms with this op (0.04 ms of it the op's own).
+@torch.library.custom_op("qwen35::rope_cos_sin", mutates_args=())
 def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (B, S, rotary_dim), fp32 (angles of long contexts need fp32 precision)."""
     exponents = torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim
@@ -17,6 +22,12 @@ def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float) -> t
     angles = position_ids.float().unsqueeze(-1) * inv_freq  # (B, S, rotary_dim / 2)
     angles = torch.cat((angles, angles), dim=-1)  # (B, S, rotary_dim)
     return angles.cos(), angles.sin()
+
+
+@rope_cos_sin.register_fake
+def _(position_ids: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*position_ids.shape, rotary_dim)
+    return position_ids.new_empty(shape, dtype=torch.float32), position_ids.new_empty(shape, dtype=torch.float32)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -50,15 +50,22 @@ def test_kernel_loss_and_gradient_equal_float64_softmax_of_the_same_logits():
     rounded = want_grad.to(torch.bfloat16).double()
     torch.testing.assert_close(grad.double(), rounded, rtol=2 ** -7, atol=1e-9)  # at most a last-bit flip
     assert (grad.double() != rounded).float().mean() < 0.01  # and only now and then
+    scale = torch.tensor(0.37, device="cuda")  # the gradient written already scaled (the trainer's grad_scale)
+    scaled = logits.clone()
+    torch.testing.assert_close(cross_entropy_rows_(scaled, labels, -100, write_grad=True, grad_scale=scale), loss,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(scaled.double(), (want_grad * 0.37).to(torch.bfloat16).double(), rtol=2 ** -7,
+                               atol=1e-9)
 
 
-@pytest.mark.parametrize("chunk", [16, 1000])
-def test_cuda_chunked_loss_errs_no_more_than_plain_bf16(chunk):
+@pytest.mark.parametrize("chunk,scaled", [(16, False), (1000, False), (16, True)])
+def test_cuda_chunked_loss_errs_no_more_than_plain_bf16(chunk, scaled):
     """linear_cross_entropy_sum on CUDA in bf16 (the kernel, fp32-accumulated weight gradient over the chunks)
     against the float64 truth, next to the plain bf16 path's error (torch's cross entropy on the whole bf16
     logits upcast to fp32, autograd through the bf16 matmul). The kernel's path rounds the logits' gradient to
     bf16 once, as the plain path does; its weight gradient is summed over the chunks in fp32 where the plain
-    path's one bf16 matmul rounds the sum (measured ratio in the note of the closing commit)."""
+    path's one bf16 matmul rounds the sum (measured ratio in the note of the closing commit). `scaled`: the
+    gradients written already scaled by the known upstream gradient (grad_scale), rounded once all the same."""
     g = torch.Generator().manual_seed(1)
     h = torch.randn(300, 256, generator=g).to(torch.bfloat16).cuda()
     weight = (torch.randn(VOCAB, 256, generator=g) * 0.1).to(torch.bfloat16).cuda()
@@ -75,7 +82,8 @@ def test_cuda_chunked_loss_errs_no_more_than_plain_bf16(chunk):
         return F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, labels,
                                ignore_index=-100, reduction="sum")
 
-    ours = loss_and_grads(lambda a, b: linear_cross_entropy_sum(a, b, labels, chunk), h, weight)
+    grad_scale = torch.tensor(0.7, device="cuda") if scaled else None  # exactly loss_and_grads' upstream gradient
+    ours = loss_and_grads(lambda a, b: linear_cross_entropy_sum(a, b, labels, chunk, grad_scale=grad_scale), h, weight)
     bf16 = loss_and_grads(plain, h, weight)
     truth = loss_and_grads(plain, h.double(), weight.double())
     assert ours[0].dtype == torch.float32 and ours[1].dtype == ours[2].dtype == torch.bfloat16

@@ -111,3 +111,35 @@ def test_fast_adam_resumes_torch_fused_state():
     fast.load_state_dict(fused.state_dict())
     _steps(fast, params, 1, 1.0, first=2)
     _assert_near(params, fast, _float64_adam(True, 1.0, steps=3), "resumed")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_adam_writes_the_kept_copies_as_a_cast_of_the_updated_parameters(dtype):
+    """The kept copies (models/qwen35_moe/linear.py): after each step the kernel's copy is bitwise the updated fp32
+    parameter cast by torch (round to nearest even), and the parameters are the same as without copies. The
+    parameters' version counters do not move, so the model does not recast the copies."""
+    from models.qwen35_moe.linear import WeightCopies
+
+    class Holder(torch.nn.Module):
+        copied_weights = ("a", "b")
+
+        def __init__(self, params):
+            super().__init__()
+            self.a, self.b, self.c = params
+            self.register_buffer("a_copy", None, persistent=False)
+            self.register_buffer("b_copy", None, persistent=False)
+
+    params, plain = _params(), _params()
+    copies = WeightCopies(Holder([params[1], params[2], params[0]]), dtype)
+    with_copies = FastAdam(_groups(params), lr=LR, betas=BETAS, eps=EPS, weight_copies=copies)
+    without = FastAdam(_groups(plain), lr=LR, betas=BETAS, eps=EPS)
+    versions = [p._version for p in params]
+    for step in range(3):
+        _steps(with_copies, params, 1, 2.0, first=step)
+        _steps(without, plain, 1, 2.0, first=step)
+        for (weight, copy), i in zip(copies.pairs, (1, 2)):
+            assert weight is params[i] and copy.dtype == dtype
+            assert torch.equal(copy, weight.detach().to(dtype)), (step, i)
+        for p, q in zip(params, plain):
+            assert torch.equal(p, q)
+    assert [p._version for p in params] == versions

@@ -104,3 +104,33 @@ def test_a_second_backward_through_the_loss_fails_instead_of_scaling_the_weight_
     torch.testing.assert_close(weight.grad, want, rtol=1e-5, atol=1e-6)  # scaled once
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("chunk", [5, 0])
+def test_gradients_computed_for_a_known_upstream_gradient_equal_the_whole_logits_in_float64(chunk):
+    """grad_scale (the trainer's world size / label tokens, known before the forward): the gradients are written
+    already scaled and the backward only hands them on; given exactly that upstream gradient they are the
+    reference's. Any other upstream gradient is refused (on CPU the device-side check raises at once)."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(23, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 40, (23,), generator=g)
+    labels[[2, 3]] = -100
+    scale = torch.tensor(2 / 21)  # fp32, as the trainer's: 2 ranks over 21 label tokens
+
+    def loss_and_grads(fn):  # backpropagated as the trainer does: the loss times `scale`, with 1
+        x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(x, w)
+        (loss * scale).backward()
+        return loss.detach(), x.grad, w.grad
+
+    got = loss_and_grads(lambda x, w: linear_cross_entropy_sum(x, w, labels, chunk, grad_scale=scale))
+    want = loss_and_grads(lambda x, w: _reference(x, w, labels))
+    for name, a, b in zip(["loss", "dh", "dweight"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    h.requires_grad_()
+    loss = linear_cross_entropy_sum(h, weight, labels, chunk, grad_scale=scale)
+    with pytest.raises(RuntimeError, match="another gradient than its grad_scale"):
+        (loss * 2 * scale).backward()
+    with pytest.raises(ValueError, match="fp32 0-dim"):
+        linear_cross_entropy_sum(h, weight, labels, chunk, grad_scale=scale.to(torch.bfloat16))

@@ -220,6 +220,54 @@ def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_me
             assert torch.equal(grad, ref_grads[name]), name
 
 
+def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_weights():
+    """One GPU reads its bf16 weights from kept copies (models/qwen35_moe/linear.py) instead of casting them at each
+    use. Reference: the same model casting (the test above ties that to FSDP's bf16 policy). The loss and every
+    gradient are bitwise the cast's, fp32 gradients included; the copies are not in the state dict; an in-place
+    change of the weights (here a state-dict load, as a checkpoint resume does; an optimizer's step) is picked up by
+    the next forward; and `.to()`, which may replace the parameters, remakes the copies of the new ones."""
+    from models.qwen35_moe.linear import WeightCopies
+    from parallel.parallelize import parallelize_qwen35_moe
+
+    cast, kept = _model(), _model()
+    for model in (cast, kept):
+        parallelize_qwen35_moe(model, None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="none",
+                               compile=False)
+    kept.weight_copies = WeightCopies(kept, torch.bfloat16)
+    assert len(kept.weight_copies.pairs) > 10 and kept.state_dict().keys() == cast.state_dict().keys()
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 512, (2, 64), generator=gen)
+    positions = torch.cat((torch.arange(40), torch.arange(24))).expand(2, 64)
+
+    def loss_and_grads(model):
+        model.zero_grad()
+        out = model(ids, positions, labels=ids.roll(-1, dims=1), loss_chunk_tokens=48)
+        loss = out.ce_sum / ids.numel() + 0.01 * out.aux_loss
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}
+
+    def assert_same():
+        (loss, grads), (want_loss, want_grads) = loss_and_grads(kept), loss_and_grads(cast)
+        assert torch.equal(loss, want_loss)
+        for name, grad in grads.items():
+            assert grad.dtype == torch.float32 and torch.equal(grad, want_grads[name]), name
+
+    assert_same()
+    moved = {k: v + 0.01 * torch.randn_like(v) for k, v in cast.state_dict().items()}
+    for model in (cast, kept):
+        model.load_state_dict(moved)
+    assert_same()
+    for model in (cast, kept):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(1e-3 * p.grad)  # an optimizer's in-place step
+    assert_same()
+    kept.to(torch.float64).to(torch.float32)  # the values survive the round trip; the copies are remade
+    params = {id(p) for p in kept.parameters()}
+    assert all(id(weight) in params for weight, _ in kept.weight_copies.pairs)
+    assert_same()
+
+
 def test_vocab_parallel_auto_takes_it_where_it_moves_fewer_bytes_than_fsdp():
     from parallel.vocab_parallel import resolve_vocab_parallel, vocab_rows
 
