@@ -35,9 +35,10 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
     # both into one pass, forward and backward), not by FLA: for grouped value heads FLA's backward sums dq and dk
     # over each key head's value heads with strided reductions of its own (on an H200 at 35B-A3B widths, 1.5 ms of
     # a step), and its l2norm kernels (0.6 ms) go with them.
-    if v.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"gated delta rule: value heads ({v.shape[2]}) must be a multiple of key heads ({k.shape[2]}).")
-    q, k = (_l2norm_fp32(x).repeat_interleave(v.shape[2] // x.shape[2], dim=2) for x in (q, k))
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv % Hk != 0:
+        raise ValueError(f"gated delta rule: value heads ({Hv}) must be a multiple of key heads ({Hk}).")
+    q, k = (_l2norm_fp32(x).repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
     return _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
 
 
