@@ -224,8 +224,10 @@ def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_
     """One GPU reads its bf16 weights from kept copies (models/qwen35_moe/linear.py) instead of casting them at each
     use. Reference: the same model casting (the test above ties that to FSDP's bf16 policy). The loss and every
     gradient are bitwise the cast's, fp32 gradients included; the copies are not in the state dict; an in-place
-    change of the weights (here a state-dict load, as a checkpoint resume does; an optimizer's step) is picked up by
-    the next forward; and `.to()`, which may replace the parameters, remakes the copies of the new ones."""
+    change of the weights (a state-dict load, the checkpointer's `set_model_state_dict`, an optimizer's step) is
+    picked up by the next forward; and `.to()`, which may replace the parameters, remakes the copies of the new ones."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
     from models.qwen35_moe.linear import WeightCopies
     from parallel.parallelize import parallelize_qwen35_moe
 
@@ -256,6 +258,10 @@ def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_
     moved = {k: v + 0.01 * torch.randn_like(v) for k, v in cast.state_dict().items()}
     for model in (cast, kept):
         model.load_state_dict(moved)
+    assert_same()
+    moved = {k: v - 0.02 * torch.randn_like(v) for k, v in cast.state_dict().items()}
+    for model in (cast, kept):  # the checkpointer's resume path (harness/checkpoint.py)
+        set_model_state_dict(model, moved)
     assert_same()
     for model in (cast, kept):
         with torch.no_grad():
