@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench_model import bench_args, run_figures, trainer_argv  # noqa: E402
+from gpu_power import PowerSampler  # noqa: E402
 from harness.config import load_config  # noqa: E402
 from harness.data import build_dataloader  # noqa: E402
 from harness.metrics import max_memory_gib, mean_attended_keys, peak_flops, training_flops_per_token  # noqa: E402
@@ -128,11 +129,16 @@ def main() -> int:
                               cache_dir=str(work / "cache"))
     batches = [batch for _, batch in zip(range(ns.steps), loader)]
 
-    baseline = run_baseline(args, batches, device, ns.warmup)
-    runs = [("ours", run_ours(argv, ns.warmup))]
+    def powered(run, *run_args):  # the run's figures, and the GPU's power and clocks over it (gpu_power.py)
+        with PowerSampler() as power:
+            result = run(*run_args)
+        return {**result, "power": power.summary()}
+
+    baseline = powered(run_baseline, args, batches, device, ns.warmup)
+    runs = [("ours", powered(run_ours, argv, ns.warmup))]
     for i, variant in enumerate(ns.variant, 1):
         extra = ["--job.dump_folder", f"{cfg.job.dump_folder}-variant{i}", *shlex.split(variant)]
-        runs.append((f"ours {variant}", run_ours([*argv, *extra], ns.warmup)))
+        runs.append((f"ours {variant}", powered(run_ours, [*argv, *extra], ns.warmup)))
     # Both are credited with the same useful work: attention within documents (the baseline attends across them).
     attended = sum(mean_attended_keys(b["position_ids"]) for b in batches) / len(batches)
     flops, peak = training_flops_per_token(args, attended), peak_flops(device)
@@ -142,6 +148,8 @@ def main() -> int:
         mfu = f"{r['tokens_per_sec'] * flops / peak:.1%}" if peak else "n/a"
         print(f"  {name:18s} {r['tokens_per_sec']:>10,.0f} tok/s  MFU {mfu:>6s}  peak {r['max_memory_gib']:.1f} GiB  "
               f"final loss {r['final_loss']:.3f}")
+        for line in r["power"]:
+            print(f"  {'':18s} {line}")
     for name, r in runs:
         print(f"  ratio ({name} / transformers): {r['tokens_per_sec'] / baseline['tokens_per_sec']:.2f}x")
     print("  transformers loop, tok/s per timed step:", " ".join(f"{rate:,.0f}" for rate in baseline["rates"]))

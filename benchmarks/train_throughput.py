@@ -8,8 +8,8 @@ the full model, the routed-expert GEMMs are smaller groups.
     torchrun --nproc-per-node 2 benchmarks/train_throughput.py --work /tmp/cp2 -- \
         --parallelism.context_parallel_degree 2 --training.seq_len 32768
 
-Prints the median tokens/s per GPU, MFU and peak memory over the steps after warm-up, and the spread of those steps'
-rates (rank 0). Under torchrun give every rank the same --work folder. A run that does not fit prints "bench: out of
+Prints the median tokens/s per GPU, MFU and peak memory over the steps after warm-up, the spread of those steps'
+rates, and the GPUs' power draw and SM clocks over the run (gpu_power.py) (rank 0). Under torchrun give every rank the same --work folder. A run that does not fit prints "bench: out of
 memory" and exits 3.
 """
 
@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench_model import OUT_OF_MEMORY, bench_args, run_figures, trainer_argv  # noqa: E402
+from gpu_power import PowerSampler  # noqa: E402
 from harness.config import load_config  # noqa: E402
 from harness.train import main  # noqa: E402
 
@@ -50,8 +51,13 @@ def main_bench() -> int:
     (work / f"config.{rank}.json").write_text(json.dumps(args.to_hf_config()))
     argv = [*trainer_argv(work / f"config.{rank}.json", work / "out", ns.steps), "--checkpoint.enable", "false",
             "--checkpoint.export_hf_at_end", "false", *ns.overrides]
+    power = PowerSampler() if rank == 0 else None  # nvidia-smi sees every GPU of the host
     try:
-        code = main(argv)
+        if power is None:
+            code = main(argv)
+        else:
+            with power:
+                code = main(argv)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         # Out of memory also reaches us as a RuntimeError (NCCL's or a kernel launch's buffers): any text that
         # says so counts. Exit at once: torchrun then stops the other ranks, which would otherwise wait in a
@@ -72,6 +78,8 @@ def main_bench() -> int:
     print(f"bench: {figures['steps']} steps timed: harmonic mean {figures['harmonic_tokens_per_sec']:,.0f} tokens/s, "
           f"per step {low:,.0f}-{high:,.0f}")
     print(f"bench: peak memory {figures['max_memory_gib']:.1f} GiB  final loss {figures['final_loss']:.3f}")
+    for line in power.summary():  # the whole run's busy samples, compile included
+        print(f"bench: {line}")
     return 0
 
 
