@@ -134,6 +134,11 @@ def _part_starts(parts: list[int]) -> list[int]:
     return [sum(parts[:i]) for i in range(len(parts))]
 
 
+def _part_grid(n: int, c: int):
+    """The grid of a per-part kernel: row blocks x column blocks of the part's c columns."""
+    return lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(c, meta["BLOCK_C"]))
+
+
 @triton_op("qwen35::causal_conv_silu_qkv", mutates_args=())
 def causal_conv_silu_qkv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor,
                          parts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,8 +151,7 @@ def causal_conv_silu_qkv(x: torch.Tensor, weight: torch.Tensor, history: torch.T
     for col0, c in zip(_part_starts(parts), parts):
         y = torch.empty(n, c, dtype=x.dtype, device=x.device)
         if n and c:
-            grid = lambda meta, c=c: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(c, meta["BLOCK_C"]))  # noqa: E731
-            wrap_triton(_conv_silu_forward)[grid](x, history, weight, y, n, x.shape[1], col0, c, W=width)
+            wrap_triton(_conv_silu_forward)[_part_grid(n, c)](x, history, weight, y, n, x.shape[1], col0, c, W=width)
         outs.append(y)
     return tuple(outs)
 
@@ -163,9 +167,8 @@ def causal_conv_silu_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.
     dz = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     for col0, c, dy in zip(_part_starts(parts), parts, (dq, dk, dv)):
         if n and c:
-            grid = lambda meta, c=c: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(c, meta["BLOCK_C"]))  # noqa: E731
-            wrap_triton(_conv_silu_output_grad)[grid](x, history, weight, dy.contiguous(), dz, n, x.shape[1], col0,
-                                                      c, W=width)
+            wrap_triton(_conv_silu_output_grad)[_part_grid(n, c)](x, history, weight, dy.contiguous(), dz, n,
+                                                                  x.shape[1], col0, c, W=width)
     dx = torch.empty_like(x)
     blocks = triton.cdiv(n, ROWS_PER_BACKWARD_PROGRAM)
     dw_partial = torch.empty(blocks, x.shape[1], width, dtype=torch.float32, device=x.device)
@@ -191,4 +194,3 @@ def _backward(ctx, dq, dk, dv):
 
 
 causal_conv_silu_qkv.register_autograd(_backward, setup_context=_setup_context)
-

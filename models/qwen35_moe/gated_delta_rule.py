@@ -35,10 +35,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
     # both into one pass, forward and backward), not by FLA: for grouped value heads FLA's backward sums dq and dk
     # over each key head's value heads with strided reductions of its own (on an H200 at 35B-A3B widths, 1.5 ms of
     # a step), and its l2norm kernels (0.6 ms) go with them.
-    Hk, Hv = k.shape[2], v.shape[2]
-    if Hv % Hk != 0:
-        raise ValueError(f"gated delta rule: value heads ({Hv}) must be a multiple of key heads ({Hk}).")
-    q, k = (_l2norm_fp32(x).repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    q, k = _qk_per_value_head(q, k, v.shape[2])
     return _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
 
 
@@ -59,21 +56,22 @@ def _l2norm(x):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _l2norm_fp32(x):
-    """_l2norm computed in fp32 and rounded to x's dtype once, as FLA's l2norm kernel does."""
-    return _l2norm(x.float()).to(x.dtype)
+def _qk_per_value_head(q, k, Hv):
+    """q, k (B, T, Hk, Dk) -> (B, T, Hv, Dk): L2-normalised in at least fp32 and rounded back to their dtype once
+    (as FLA's l2norm kernel does), then repeated for the value heads that read them (GVA)."""
+    Hk = k.shape[2]
+    if Hv % Hk != 0:
+        raise ValueError(f"gated delta rule: value heads ({Hv}) must be a multiple of key heads ({Hk}).")
+    return tuple(_l2norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype).repeat_interleave(
+        Hv // Hk, dim=2) for x in (q, k))
 
 
 def _prepare(q, k, v, g, beta):
     """Math dtype (fp32, or fp64 if given), GVA head expansion, q/k normalisation and q scaling."""
     dtype = torch.promote_types(v.dtype, torch.float32)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    Hk, Hv = k.shape[2], v.shape[2]
-    if Hv % Hk != 0:
-        raise ValueError(f"gated delta rule: value heads ({Hv}) must be a multiple of key heads ({Hk}).")
-    q = _l2norm(q).repeat_interleave(Hv // Hk, dim=2) * q.shape[-1] ** -0.5  # (B, T, Hv, Dk)
-    k = _l2norm(k).repeat_interleave(Hv // Hk, dim=2)                         # (B, T, Hv, Dk)
-    return q, k, v, g, beta
+    q, k = _qk_per_value_head(q, k, v.shape[2])  # (B, T, Hv, Dk)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
 def _check_cu_seqlens(cu_seqlens, B, T):

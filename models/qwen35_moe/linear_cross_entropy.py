@@ -194,14 +194,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.grad_scale is not None:  # the gradients were computed for this upstream gradient: check, no sync
             torch._assert_async(grad_total == ctx.grad_scale,
                                 "linear_cross_entropy_sum: backpropagated with another gradient than its grad_scale")
-            return (grad_h.to(h_dtype) if ctx.needs_input_grad[0] else None,
-                    grad_w.to(w_dtype) if ctx.needs_input_grad[1] else None, None, None, None, None, None)
-        # Scaled in place: a copy would be a second weight-sized fp32 tensor (2 GiB for 35B-A3B's lm_head) at the
-        # start of the backward, when the activations are all alive. (A second backward through the graph fails
-        # autograd's check that saved tensors were not modified.) Under a vocab shard the weight's gradient holds
-        # every rank's tokens: the shard averages it over the mesh.
-        grad_w = scale_(grad_w, grad_total) if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
-        return ((grad_h * grad_total).to(h_dtype) if ctx.needs_input_grad[0] else None,
+        else:
+            # Scaled in place: a copy would be a second weight-sized fp32 tensor (2 GiB for 35B-A3B's lm_head) at the
+            # start of the backward, when the activations are all alive. (A second backward through the graph fails
+            # autograd's check that saved tensors were not modified.) Under a vocab shard the weight's gradient holds
+            # every rank's tokens: the shard averages it over the mesh.
+            grad_w = scale_(grad_w, grad_total) if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
+            grad_h = grad_h * grad_total
+        return (grad_h.to(h_dtype) if ctx.needs_input_grad[0] else None,
                 grad_w.to(w_dtype) if ctx.needs_input_grad[1] else None, None, None, None, None, None)
 
 

@@ -72,10 +72,6 @@ def _weighted_row_sum_backward(grad_out, src, index, weights, grad_src, grad_wei
     tl.store(grad_weights + token * K + slots, dots, mask=in_k)
 
 
-def _pow2(k: int) -> int:
-    return triton.next_power_of_2(k)
-
-
 def _grid(n: int, d: int):
     return lambda meta: (n, triton.cdiv(d, meta["BLOCK_D"]))
 
@@ -123,7 +119,8 @@ def weighted_row_sum_backward(grad_out: torch.Tensor, src: torch.Tensor, index: 
     grad_weights = torch.empty(n, k, dtype=torch.float32, device=src.device)
     if n:
         wrap_triton(_weighted_row_sum_backward)[(n,)](grad_out, src, index, weights.contiguous(), grad_src,
-                                                      grad_weights, src.shape[1], K=k, BLOCK_K=_pow2(k))
+                                                      grad_weights, src.shape[1], K=k,
+                                                      BLOCK_K=triton.next_power_of_2(k))
     return grad_src, grad_weights.to(weights.dtype)
 
 
