@@ -1,7 +1,7 @@
 """One Adam/AdamW step of one parameter in one Triton kernel (fast_adam.py): reads the fp32 parameter, gradient
 and two moments once, writes the parameter and moments once, with torch's Adam math in fp32, and, if the parameter
 has a kept copy in a half-precision compute dtype (models/qwen35_moe/linear.py), the new value rounded into it.
-CUDA only."""
+The gradient may be in that half-precision dtype too (a copy's gradient), read and upcast. CUDA only."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _adam_step(param, grad, exp_avg, exp_avg_sq, grad_scale, copy, n, lr, beta1,
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = tl.load(param + offsets, mask=mask)
-    g = tl.load(grad + offsets, mask=mask)
+    g = tl.load(grad + offsets, mask=mask).to(tl.float32)
     m = tl.load(exp_avg + offsets, mask=mask)
     v = tl.load(exp_avg_sq + offsets, mask=mask)
     if SCALED:
@@ -40,12 +40,15 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
                bias_correction1: float, bias_correction2_sqrt: float, grad_scale: torch.Tensor | None,
                copy: torch.Tensor | None = None) -> None:
-    """In place on contiguous fp32 CUDA tensors of one shape; `grad_scale` (a device scalar) divides the gradient;
-    `copy` (bf16 or fp16, contiguous, the parameter's shape) receives the updated parameter rounded."""
+    """In place on contiguous fp32 CUDA tensors of one shape (the gradient may be bf16 or fp16); `grad_scale` (a
+    device scalar) divides the gradient; `copy` (bf16 or fp16, contiguous, the parameter's shape) receives the
+    updated parameter rounded."""
     for t in (param, grad, exp_avg, exp_avg_sq):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape:
-            raise ValueError(f"adam_step_: fp32 contiguous tensors of the parameter's shape {tuple(param.shape)} "
-                             f"expected, got {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+        half_grad = t is grad and t.dtype in (torch.bfloat16, torch.float16)
+        if (t.dtype != torch.float32 and not half_grad) or not t.is_contiguous() or t.shape != param.shape:
+            raise ValueError(f"adam_step_: fp32 (the gradient also bf16/fp16) contiguous tensors of the parameter's "
+                             f"shape {tuple(param.shape)} expected, got {t.dtype} {tuple(t.shape)} "
+                             f"(contiguous: {t.is_contiguous()})")
     if copy is not None and (copy.dtype not in (torch.bfloat16, torch.float16) or not copy.is_contiguous()
                              or copy.shape != param.shape):
         raise ValueError(f"adam_step_: the copy must be a contiguous bf16 or fp16 tensor of shape "

@@ -11,7 +11,9 @@ not contiguous) get the same math from torch's ops (torch's single-tensor Adam).
 `weight_copies` (models/qwen35_moe/linear.py, one GPU): the kernel also writes each updated parameter's kept copy
 in the compute dtype (2 bytes per parameter), so the forward reads it instead of casting the weight. The kernel
 writes the parameter without bumping its version counter, which is what tells the copy current; the torch path
-bumps it, and the model then recasts the copy before its next forward.
+bumps it, and the model then recasts the copy before its next forward. Where the copies hold the gradients
+(`grads_in_copies`), the step reads a weight's gradient from its copy, in the compute dtype, and `zero_grad`
+clears those too.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class FastAdam(torch.optim.Adam):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad if self.weight_copies is None else self.weight_copies.grad_of(p)
+                if grad is None:
                     continue
                 state = self.state[p]
                 if not state:  # as torch's non-fused Adam initialises it: the step a host scalar, read without a sync
@@ -54,8 +57,8 @@ class FastAdam(torch.optim.Adam):
                     state["step"] = state["step"].cpu()
                 state["step"] += 1
                 step = state["step"].item()
-                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                on_kernel = all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+                tensors = [_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
+                on_kernel = (all(t.is_cuda and t.is_contiguous() for t in tensors) and _fits_kernel(*tensors))
                 hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                              bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
@@ -67,6 +70,18 @@ class FastAdam(torch.optim.Adam):
                     adam_step_torch_(*tensors, **hyper)
         return None
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The parameters' gradients as torch's, and the weight copies' (always to None)."""
+        super().zero_grad(set_to_none)
+        if self.weight_copies is not None:
+            self.weight_copies.zero_grad()
+
+
+def _fits_kernel(param, grad, exp_avg, exp_avg_sq) -> bool:
+    """The kernel's dtypes: fp32, the gradient also bf16 or fp16 (a weight copy's)."""
+    return (all(t.dtype == torch.float32 for t in (param, exp_avg, exp_avg_sq))
+            and grad.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
 
 def _triton_step():
     from .adam_step_kernel import adam_step_  # lazy: Triton needs a GPU, and CPU installs may lack it
@@ -77,6 +92,7 @@ def _triton_step():
 def adam_step_torch_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, decoupled,
                      bias_correction1, bias_correction2_sqrt, grad_scale) -> None:
     """The kernel's step with torch's ops, in place, for any device, dtype and layout (torch's single-tensor Adam)."""
+    grad = grad.to(param.dtype)  # a half-precision gradient kept in a weight copy: the math in the weight's dtype
     if grad_scale is not None:
         grad = grad / grad_scale
     if weight_decay != 0:

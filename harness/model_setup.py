@@ -45,7 +45,7 @@ def _vocab_parallel(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes) -> bool
 
 
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
-                load_hf: bool = True) -> Qwen35MoeModel:
+                load_hf: bool = True, grad_accum_steps: int = 1) -> Qwen35MoeModel:
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
     if device.type == "cuda":
@@ -76,7 +76,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
     if on_gpu and model.compute_dtype is not None:  # one GPU: weights read from kept copies, not cast (linear.py)
-        model.weight_copies = WeightCopies(model, model.compute_dtype)
+        # One backward per step: the gradients stay in the copies' bf16, which then holds them exactly.
+        model.weight_copies = WeightCopies(model, model.compute_dtype, grads_in_copies=grad_accum_steps == 1)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
                 "FSDP" if isinstance(model, FSDPModule) else "one process, no FSDP", device)

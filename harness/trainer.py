@@ -91,7 +91,8 @@ class Trainer:
         self.aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
                               else cfg.training.aux_loss_coef)
         # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all.
-        self.model = build_model(cfg, self.model_args, self.meshes, self.device, load_hf=resume_step is None)
+        self.model = build_model(cfg, self.model_args, self.meshes, self.device, load_hf=resume_step is None,
+                                 grad_accum_steps=self.layout.grad_accum_steps)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         s = cfg.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
@@ -193,7 +194,9 @@ class Trainer:
         max_norm = self.cfg.training.max_norm
         # FastAdam (the optimizer on CUDA) applies the clipping as it reads the gradients: no pass of its own
         scales = isinstance(self.optimizer, FastAdam)
-        grad_norm = clip_grad_norm_(self.model.parameters(), math.inf if max_norm is None else max_norm,
+        copies = self.model.weight_copies  # one GPU: some gradients may be held by the weights' bf16 copies
+        holders = [*self.model.parameters(), *(copies.gradient_holders() if copies is not None else ())]
+        grad_norm = clip_grad_norm_(holders, math.inf if max_norm is None else max_norm,
                                     scaling_optimizer=self.optimizer if scales else None)
         # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.
         self.optimizer.step()

@@ -4,7 +4,8 @@ torch's `clip_grad_norm_` stacks every gradient's norm into one tensor, which DT
 cannot do: under expert parallelism the experts' gradients live on the (efsdp, ep) mesh and every other
 gradient on the FSDP mesh. Here each mesh's gradients are reduced to their global norm (a DTensor's norm
 reduces over its mesh), the norms are combined as plain tensors, and each group is scaled in place, or by the
-optimizer's step itself where it can (FastAdam's grad_scale).
+optimizer's step itself where it can (FastAdam's grad_scale). Half-precision gradients (kept weight copies',
+models/qwen35_moe/linear.py) are normed in fp32, as their fp32 upcasts would be.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach
     `scaling_optimizer`: an optimizer whose step divides every gradient by its `grad_scale` as it reads it
     (torch's fused Adam/AdamW, the hook GradScaler uses; harness.fast_adam.FastAdam on CUDA). The scaling is then
     left to its next step, which spares a read and a write of every fp32 gradient. max_norm inf scales nothing."""
-    groups: dict[object, list[torch.Tensor]] = {}  # mesh (None: plain tensors) -> its gradients
+    groups: dict[object, list[torch.Tensor]] = {}  # (mesh (None: plain tensors), half precision) -> its gradients
     for p in parameters:
         if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault((mesh, p.grad.dtype in (torch.bfloat16, torch.float16)), []).append(p.grad)
     squares = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
+    for (_, half), grads in groups.items():
+        norm = _fp32_norm(grads, foreach) if half else torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm.to(torch.promote_types(norm.dtype, torch.float32)).square())
     total = torch.stack(squares).sum().sqrt()
@@ -50,3 +52,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach
                 for grad in grads:
                     grad.mul_(coefficient)
     return total
+
+
+def _fp32_norm(grads: list[torch.Tensor], foreach: bool) -> torch.Tensor:
+    """The L2 norm of half-precision gradients, accumulated and returned in fp32 (get_total_norm's would round each
+    tensor's norm to the gradients' dtype)."""
+    if foreach and all(g.is_cuda and not isinstance(g, DTensor) for g in grads):
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    else:
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))

@@ -143,3 +143,37 @@ def test_fast_adam_writes_the_kept_copies_as_a_cast_of_the_updated_parameters(dt
         for p, q in zip(params, plain):
             assert torch.equal(p, q)
     assert [p._version for p in params] == versions
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_adam_reads_half_precision_gradients_as_their_fp32_upcasts(dtype):
+    """Weight copies holding their weights' gradients (models/qwen35_moe/linear.py, grads_in_copies): the kernel
+    reads those in bf16 / fp16. Reference: the same kernel fed each gradient upcast to fp32, which is exact. Three
+    scaled steps leave bitwise the same parameters and moments."""
+    from models.qwen35_moe.linear import WeightCopies
+
+    class Holder(torch.nn.Module):
+        copied_weights = ("a", "b")
+
+        def __init__(self, params):
+            super().__init__()
+            self.a, self.b = params
+            self.register_buffer("a_copy", None, persistent=False)
+            self.register_buffer("b_copy", None, persistent=False)
+
+    half, full = _params(), _params()
+    copies = WeightCopies(Holder(half[1:]), dtype, grads_in_copies=True)
+    optimizers = [FastAdam(_groups(half), lr=LR, betas=BETAS, eps=EPS, weight_copies=copies),
+                  FastAdam(_groups(full), lr=LR, betas=BETAS, eps=EPS)]
+    for step in range(3):
+        rounded = [g.to(dtype) for g in _grads(step)]
+        half[0].grad, full[0].grad = rounded[0].float(), rounded[0].float()
+        for (weight, copy), g, q in zip(copies.pairs, rounded[1:], full[1:]):
+            weight.grad, copy.grad, q.grad = None, g, g.float()
+        for optimizer in optimizers:
+            optimizer.grad_scale = torch.tensor(2.0, device="cuda")
+            optimizer.step()
+    for p, q in zip(half, full):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizers[0].state[p][key], optimizers[1].state[q][key])

@@ -274,6 +274,57 @@ def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_
     assert_same()
 
 
+def test_kept_copies_holding_the_gradients_hold_the_casts_gradients_and_step_as_with_them():
+    """grads_in_copies (one GPU, one backward per step): the copies are the leaves autograd differentiates, so each
+    copied weight's gradient stays bf16 in its copy. Reference: the model that casts its weights, whose fp32
+    gradients are the cast's backward, an upcast of the same bf16 product. So the loss is bitwise the cast's, each
+    copy's gradient upcast is bitwise the cast model's fp32 gradient (the weight itself gets none), the other
+    gradients are equal, the global norm (fp32 accumulation either way) lands within fp32 rounding, and one
+    clipped FastAdam step (torch's ops on CPU, upcasting the bf16 gradient) leaves bitwise the same weights;
+    zero_grad clears the copies' gradients."""
+    from harness.fast_adam import FastAdam
+    from models.qwen35_moe.linear import WeightCopies
+    from parallel.grad_norm import clip_grad_norm_
+    from parallel.parallelize import parallelize_qwen35_moe
+
+    cast, kept = _model(), _model()
+    for model in (cast, kept):
+        parallelize_qwen35_moe(model, None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="none",
+                               compile=False)
+    kept.weight_copies = copies = WeightCopies(kept, torch.bfloat16, grads_in_copies=True)
+    optimizers = {m: FastAdam([{"params": list(m.parameters()), "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95),
+                              eps=1e-8, weight_copies=m.weight_copies) for m in (cast, kept)}
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 512, (2, 64), generator=gen)
+    positions = torch.cat((torch.arange(40), torch.arange(24))).expand(2, 64)
+    losses, norms = {}, {}
+    for model in (cast, kept):
+        optimizers[model].zero_grad()
+        out = model(ids, positions, labels=ids.roll(-1, dims=1), loss_chunk_tokens=48)
+        losses[model] = out.ce_sum / ids.numel() + 0.01 * out.aux_loss
+        losses[model].backward()
+    assert torch.equal(losses[kept], losses[cast])
+    copied = {id(weight) for weight, _ in copies.pairs}
+    lm_head = id(kept.lm_head.weight)  # the loss returns its fp32 gradient itself (linear_cross_entropy.py)
+    for (name, p), q in zip(kept.named_parameters(), cast.parameters()):
+        grad = copies.grad_of(p)
+        if id(p) in copied and id(p) != lm_head:
+            assert p.grad is None and grad.dtype == torch.bfloat16, name
+        else:
+            assert grad.dtype == torch.float32, name
+        assert torch.equal(grad.float(), q.grad), name
+    for model in (cast, kept):
+        holders = [*model.parameters(), *(model.weight_copies.gradient_holders() if model is kept else ())]
+        norms[model] = clip_grad_norm_(holders, 0.5, scaling_optimizer=optimizers[model])
+        optimizers[model].step()
+    torch.testing.assert_close(norms[kept], norms[cast], rtol=1e-6, atol=0)
+    assert norms[cast] > 0.5  # the clipping acted
+    for (name, p), q in zip(kept.named_parameters(), cast.parameters()):
+        assert torch.equal(p, q), name
+    optimizers[kept].zero_grad()
+    assert all(copy.grad is None for _, copy in copies.pairs)
+
+
 def test_vocab_parallel_auto_takes_it_where_it_moves_fewer_bytes_than_fsdp():
     from parallel.vocab_parallel import resolve_vocab_parallel, vocab_rows
 
