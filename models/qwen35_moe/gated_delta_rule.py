@@ -4,7 +4,8 @@ Per value head, with L2-normalised q, k and q scaled by Dk**-0.5, the state S (D
     S_t = exp(g_t) S_{t-1};  delta_t = beta_t (v_t - S_t^T k_t);  S_t += k_t delta_t^T;  o_t = S_t^T q_t
 and is reset to zero at every document start. Value head h reads key head h // (Hv // Hk).
 
-- `gated_delta_rule`: CUDA tensors -> FLA's chunked kernel; anything else -> `torch_chunk_gated_delta_rule`.
+- `gated_delta_rule`: CUDA tensors -> FLA's chunked kernels (fla_saved_states.py: FLA's function, with the chunk
+  states kept for the backward); anything else -> `torch_chunk_gated_delta_rule`.
 - `torch_chunk_gated_delta_rule`: pure torch chunked form, differentiable by autograd.
 - `naive_recurrent_gated_delta_rule`: token-by-token reference for tests.
 - `enable_fla_hopper_backward`: explicit, self-checked bypass of FLA 0.6.0's Hopper backward guard.
@@ -17,7 +18,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .fla_varlen import fla_varlen_args
+from .fla_saved_states import SavedStatesGatedDeltaRule
+from .fla_varlen import FLA_CHUNK_SIZE, fla_varlen_args
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +41,17 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
     return _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
 
 
-# Under torch.compile (compile.enable) the FLA call is one graph break. FLA 0.6.0 marks chunk_gated_delta_rule so
-# itself; this keeps it so whatever FLA's version: traced, its host-side preparation (chunk indices from
-# cu_seqlens, data-dependent shapes) would recompile per document layout.
+# Under torch.compile (compile.enable) the FLA call is one graph break (FLA marks its own entry point so too): traced,
+# its host-side preparation (chunk indices from cu_seqlens, data-dependent shapes) would recompile per layout.
 @torch.compiler.disable
 def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: FLA needs triton and a GPU
+    from fla.ops.utils.index import prepare_chunk_indices  # lazy: FLA needs triton and a GPU
 
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False,
-                                  **fla_varlen_args(cu_seqlens, cu_seqlens_cpu, q.device))
+    varlen = fla_varlen_args(cu_seqlens, cu_seqlens_cpu, q.device)
+    cu_seqlens, chunk_indices = varlen["cu_seqlens"], varlen["chunk_indices"]
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, FLA_CHUNK_SIZE)
+    o = SavedStatesGatedDeltaRule.apply(q, k, v, g, beta, q.shape[-1] ** -0.5, cu_seqlens, chunk_indices)
     return o.to(v.dtype)
 
 

@@ -83,3 +83,34 @@ def test_fla_kernels_with_our_host_chunk_index_are_bitwise_flas_own():
     flas = output_and_grads(gated_delta_rule, inputs, do, cu_seqlens=host.cuda())
     for a, b in zip(ours, flas, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["packed_documents", "batch_of_rows"])
+def test_saved_states_function_is_bitwise_flas_own(layout):
+    """fla_saved_states.py runs FLA's kernels in FLA's order but keeps w, h and v_new from the forward instead of
+    recomputing them in the backward. Reference: FLA's public chunk_gated_delta_rule on the same (normalised,
+    per-value-head) inputs. The recomputed tensors are the same deterministic kernels on the same inputs, so the
+    output and every gradient must be bitwise FLA's."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from models.qwen35_moe.fla_saved_states import SavedStatesGatedDeltaRule
+    from models.qwen35_moe.gated_delta_rule import _qk_per_value_head
+
+    enable_fla_hopper_backward(HK, HV, DK, DV, "cuda")
+    if layout == "packed_documents":
+        B, T, cu_seqlens = 1, CU_SEQLENS[-1], torch.tensor(CU_SEQLENS, device="cuda")
+    else:
+        B, T, cu_seqlens = 2, 333, None
+    q, k, v, g, beta = gdn_inputs(B, T, torch.bfloat16, seed=3)
+    q, k = _qk_per_value_head(q, k, HV)
+    do = torch.randn(B, T, HV, DV, device="cuda")
+
+    def flas(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)[0]
+
+    def ours(q, k, v, g, beta):
+        return SavedStatesGatedDeltaRule.apply(q, k, v, g, beta, DK ** -0.5, cu_seqlens, None)
+
+    for a, b in zip(output_and_grads(ours, [q, k, v, g, beta], do), output_and_grads(flas, [q, k, v, g, beta], do),
+                    strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
