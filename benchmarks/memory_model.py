@@ -11,7 +11,10 @@ The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 com
   the prefetched one, and in backward their gradients on their way to the reduce-scatter; under EP a block
   gathers only its E / ep local experts;
 - activations: per token on this GPU, WORKING_BYTES for the block being recomputed (full AC) and the saved
-  block inputs (2 B x hidden per block); without AC, LAYER_BYTES for every block;
+  block inputs (2 B x hidden per block); without AC, LAYER_BYTES for every block, plus, counted not fitted (the
+  fitted peaks were measured before bdecd26), the chunk states FLA's function keeps for its backward
+  (models/qwen35_moe/fla_saved_states.py) in every Gated DeltaNet layer. (With full AC only the recomputed block
+  holds them, as FLA's backward held the same tensors when it recomputed them: not counted.)
 - FIXED: the rest (the gathered lm_head, the chunked cross entropy's one chunk of logits, CUDA context and NCCL
   buffers), fitted. (It was fitted while the root also kept the embedding gathered through the step; the peaks
   measured since, 22.8 GiB at FSDP=2 4/64 before and after, did not move.) Every peak here was measured with
@@ -65,6 +68,13 @@ def parameter_counts(args: Qwen35MoeArgs) -> dict[str, int]:
     return {"total": sum(p.numel() for _, p in named), "experts": experts, "root": root}
 
 
+def fla_state_bytes(args: Qwen35MoeArgs) -> int:
+    """Per token and Gated DeltaNet layer: w and v_new (bf16, per value head Dk and Dv) and the state h (bf16,
+    Dk x Dv per value head, one per 64-token chunk). 32 KiB at 35B-A3B's 32 heads of 128."""
+    heads, dk, dv = args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
+    return 2 * heads * (dk + dv) + 2 * heads * dk * dv // 64
+
+
 def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     counts = parameter_counts(args)
     layers = args.num_hidden_layers
@@ -74,8 +84,9 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     block = block_dense + counts["experts"] / layers / s.ep
     gathered = GATHER_BYTES * block
     tokens = s.seq * s.local_batch // s.cp
+    gdn_layers = sum(t == "linear_attention" for t in args.layer_types)
     if s.ac == "none":
-        activations = tokens * layers * LAYER_BYTES
+        activations = tokens * (layers * LAYER_BYTES + gdn_layers * fla_state_bytes(args))
     else:
         activations = tokens * (WORKING_BYTES + layers * 2 * args.hidden_size)
     return (states + gathered + activations) / GIB + FIXED_GIB
@@ -84,7 +95,8 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
 # Peaks measured on H200 (benchmarks/train_throughput.py and hf_baseline.py, qwen35_moe.toml otherwise: full AC,
 # local batch 1): (layers, experts, setup, GiB). The gpus=1 peaks ran FSDP on one rank, as one GPU did before
 # a2be723; it now runs none (8 layers / 32 experts compiled without AC: 43.3 GiB, 42.2 before; EP=2 on 2 GPUs,
-# its experts now out of FSDP: 38.0 GiB, 37.4 before).
+# its experts now out of FSDP: 38.0 GiB, 37.4 before). All before bdecd26, whose saved FLA states the prediction
+# now counts without AC (8 layers / 32 experts without AC: 44.0 GiB before it, 45.6 after).
 MEASURED = [
     (4, 16, Setup(gpus=2, seq=32768), 23.0),
     (4, 16, Setup(gpus=2, seq=65536), 34.7),
