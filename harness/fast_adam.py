@@ -58,7 +58,7 @@ class FastAdam(torch.optim.Adam):
                 state["step"] += 1
                 step = state["step"].item()
                 tensors = [_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-                on_kernel = (all(t.is_cuda and t.is_contiguous() for t in tensors) and _fits_kernel(*tensors))
+                on_kernel = all(t.is_cuda and t.is_contiguous() for t in tensors) and _fits_kernel(*tensors)
                 hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                              bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
