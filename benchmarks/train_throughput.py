@@ -9,13 +9,14 @@ the full model, the routed-expert GEMMs are smaller groups.
         --parallelism.context_parallel_degree 2 --training.seq_len 32768
 
 Prints the median tokens/s per GPU, MFU and peak memory over the steps after warm-up, the spread of those steps'
-rates, and the GPUs' power draw and SM clocks over the run (gpu_power.py) (rank 0). Under torchrun give every rank the same --work folder. A run that does not fit prints "bench: out of
-memory" and exits 3.
+rates, and the GPUs' power draw and SM clocks over the run (gpu_power.py) (rank 0). Under torchrun give every
+rank the same --work folder. A run that does not fit prints "bench: out of memory" and exits 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -53,11 +54,8 @@ def main_bench() -> int:
             "--checkpoint.export_hf_at_end", "false", *ns.overrides]
     power = PowerSampler() if rank == 0 else None  # nvidia-smi sees every GPU of the host
     try:
-        if power is None:
+        with power or contextlib.nullcontext():
             code = main(argv)
-        else:
-            with power:
-                code = main(argv)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         # Out of memory also reaches us as a RuntimeError (NCCL's or a kernel launch's buffers): any text that
         # says so counts. Exit at once: torchrun then stops the other ranks, which would otherwise wait in a

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .fla_saved_states import SavedStatesGatedDeltaRule
-from .fla_varlen import FLA_CHUNK_SIZE, fla_varlen_args
+from .fla_varlen import fla_varlen_args
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +45,10 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
 # its host-side preparation (chunk indices from cu_seqlens, data-dependent shapes) would recompile per layout.
 @torch.compiler.disable
 def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu):
-    from fla.ops.utils.index import prepare_chunk_indices  # lazy: FLA needs triton and a GPU
-
+    # Without a host copy the chunk index is None, and each FLA kernel function builds it (cached) as FLA's does.
     varlen = fla_varlen_args(cu_seqlens, cu_seqlens_cpu, q.device)
-    cu_seqlens, chunk_indices = varlen["cu_seqlens"], varlen["chunk_indices"]
-    if cu_seqlens is not None and chunk_indices is None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens, FLA_CHUNK_SIZE)
-    o = SavedStatesGatedDeltaRule.apply(q, k, v, g, beta, q.shape[-1] ** -0.5, cu_seqlens, chunk_indices)
+    o = SavedStatesGatedDeltaRule.apply(q, k, v, g, beta, q.shape[-1] ** -0.5, varlen["cu_seqlens"],
+                                        varlen["chunk_indices"])
     return o.to(v.dtype)
 
 
