@@ -45,18 +45,21 @@ def family(name: str) -> str:
     return next((label for label, pattern in FAMILIES if re.search(pattern, name)), "other")
 
 
-def step_kernels(path: str) -> tuple[list[dict], float, bool]:
-    """(the traced step's GPU events, the step's span on the GPU in us, whether a step range was found)."""
+def load_events(path: str) -> list[dict]:
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e]
+        return json.load(f)["traceEvents"]
+
+
+def traced_step(events: list[dict], path: str) -> tuple[list[dict], float, bool]:
+    """(the traced step's GPU events by start time, the step's span on the GPU in us, whether a step range was
+    found; without one, e.g. a trace without host events, all GPU events count)."""
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
     if not gpu:
         raise SystemExit(f"{path}: no GPU events (a CPU run?)")
     steps = [e for e in events
              if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("ProfilerStep")]
-    if not steps:  # traced without host events: no step range, the whole trace counts
-        start, end = min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu)
-        return gpu, end - start, False
+    if not steps:
+        return gpu, max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"], False
     step = max(steps, key=lambda e: e["dur"])
     start, end = step["ts"], step["ts"] + step["dur"]
     return [e for e in gpu if start <= e["ts"] < end], end - start, True
@@ -88,8 +91,8 @@ def main() -> None:
     parser.add_argument("base", nargs="?", help="a second trace to compare against (e.g. the run without the change)")
     parser.add_argument("--top", type=int, default=12, help="kernels listed by their change against the base")
     args = parser.parse_args()
-    kernels, span, found = step_kernels(args.trace)
-    base, base_span = step_kernels(args.base)[:2] if args.base else (None, None)
+    kernels, span, found = traced_step(load_events(args.trace), args.trace)
+    base, base_span = traced_step(load_events(args.base), args.base)[:2] if args.base else (None, None)
     scope = "traced step" if found else "whole trace (no ProfilerStep range: traced without host events?)"
     compared = f"; base {base_span / 1e3:.1f} ms, kernels {total_ms(base):.1f} ms" if base else ""
     print(f"{args.trace}: {scope} {span / 1e3:.1f} ms on the GPU, kernels {total_ms(kernels):.1f} ms{compared}")

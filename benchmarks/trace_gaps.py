@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
+
+from trace_breakdown import load_events, traced_step
 
 
 def _gaps(kernels: list[dict]) -> tuple[float, float, list[tuple[float, dict]]]:
@@ -79,12 +79,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--min-gap", type=float, default=0.2, help="the compute stream's gaps counted, in ms")
     args = parser.parse_args()
-    with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-                     key=lambda e: e["ts"])
-    if not kernels:
-        raise SystemExit(f"{args.trace}: no GPU events (a CPU run?)")
+    events = load_events(args.trace)
+    kernels = traced_step(events, args.trace)[0]  # the previous step's last kernels are not this step's
     busy, span, gaps = _gaps(kernels)
     print(f"GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms traced; idle {(span - busy) / 1e3:.1f} ms "
           f"in {len(gaps)} gaps")

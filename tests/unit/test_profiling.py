@@ -89,6 +89,25 @@ def test_trace_gaps_splits_the_compute_streams_idle_time_by_whether_a_collective
     assert "0.30 ms at     0.7 ms, before norm; collectives: none" in out
 
 
+def test_trace_gaps_counts_only_the_traced_steps_kernels(tmp_path):
+    """benchmarks/trace_gaps.py with the GPU's ProfilerStep range in the trace: the previous step's last kernel,
+    which ran before the range, and the idle time after it are not this step's."""
+    import subprocess
+    import sys
+
+    def kernel(name, ts, dur):
+        return {"name": name, "cat": "kernel", "ts": ts, "dur": dur, "pid": 0, "tid": 7, "args": {"stream": 7}}
+
+    step = {"name": "ProfilerStep#6", "cat": "gpu_user_annotation", "ts": 1000, "dur": 1000, "pid": 0, "tid": 7}
+    events = [step, kernel("_adam_step", 0, 300),  # the previous step's, 700 us before the range
+              kernel("gemm", 1000, 200), kernel("norm", 1300, 200)]  # 100 us idle between them
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_gaps.py"), str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "GPU busy 0.4 ms of 0.5 ms traced; idle 0.1 ms in 1 gaps" in out
+
+
 def test_trace_breakdown_counts_the_traced_steps_kernels_by_family_and_the_change_against_a_base(tmp_path):
     """benchmarks/trace_breakdown.py on two hand-made traces: only kernels inside the GPU's ProfilerStep range
     count (the previous step's optimizer kernel before it does not); FSDP's chunk_cat is not one of FLA's chunk_*
