@@ -1,0 +1,128 @@
+"""Variants of the training benchmark run alternately, so that their ratio is measured on one machine at one time.
+
+    python benchmarks/alternate.py --rounds 2 --layers 8 --experts 32 --steps 20 --warmup 8 \\
+        --variant "none=--activation_checkpoint.mode none" --variant "full=--activation_checkpoint.mode full" \\
+        -- --training.local_batch_size 2 --compile.enable true --training.loss_chunk_tokens 4096
+
+Each round runs every variant once, in order, each in a fresh process (`train_throughput.py`, whose median
+tokens/s per device over the steps after `--warmup` is the variant's figure for the round). A variant is
+NAME[@GPUS]=OVERRIDES: GPUS > 1 runs it under torchrun (FSDP over that many GPUs; the figure is per GPU), and
+OVERRIDES are trainer flags added after the shared ones given after `--`. The report gives each variant's figures,
+peak memory and ratio to the first variant, paired round by round. Why alternate: the same code ran 2-4% apart on
+two H200 machines (FSDP=2 over one GPU: 86% on one machine, 93% on others), while changes worth keeping were
+~1.5%; only pairs run back to back on one machine resolved them. Exits non-zero if any run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from bench_model import run_figures  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "train_throughput.py"
+
+
+@dataclass
+class Variant:
+    name: str
+    gpus: int
+    overrides: list[str]
+
+
+def parse_variant(spec: str) -> Variant:
+    match = re.fullmatch(r"(?P<name>[\w.+-]+)(@(?P<gpus>\d+))?=(?P<overrides>.*)", spec)
+    if match is None:
+        raise SystemExit(f"--variant {spec!r}: expected NAME[@GPUS]=OVERRIDES, e.g. 'full=--activation_checkpoint.mode "
+                         f"full' or 'fsdp@2='")
+    gpus = int(match["gpus"] or 1)
+    if gpus < 1:
+        raise SystemExit(f"--variant {spec!r}: GPUS must be at least 1")
+    return Variant(match["name"], gpus, shlex.split(match["overrides"]))
+
+
+def alternate(variants: list[Variant], rounds: int, run: Callable[[Variant, int], dict | None]) -> dict[str, list]:
+    """{variant name: [figures of round 0, round 1, ...]}, the variants run in order within each round; a failed
+    run's figures are None."""
+    results = {v.name: [] for v in variants}
+    for index in range(rounds):
+        for variant in variants:
+            results[variant.name].append(run(variant, index))
+    return results
+
+
+def report(variants: list[Variant], results: dict[str, list]) -> list[str]:
+    """One line per variant: its tokens/s per device each round, mean, peak memory, and its ratio to the first
+    variant's run of the same round."""
+    first = results[variants[0].name]
+    lines = []
+    for variant in variants:
+        runs = results[variant.name]
+        rates = [r["tokens_per_sec"] if r else None for r in runs]
+        shown = " ".join("failed" if t is None else f"{t:,.0f}" for t in rates)
+        done = [t for t in rates if t is not None]
+        line = f"{variant.name:>12s} ({variant.gpus} rank{'s' if variant.gpus > 1 else ''}): {shown}"
+        if done:
+            line += f"; mean {statistics.mean(done):,.0f}, peak {max(r['max_memory_gib'] for r in runs if r):.1f} GiB"
+        if variant is not variants[0]:
+            ratios = [t / b["tokens_per_sec"] for t, b in zip(rates, first) if t is not None and b]
+            if ratios:
+                line += (f"; vs {variants[0].name}: {' '.join(f'{x:.3f}' for x in ratios)} "
+                         f"(mean {statistics.mean(ratios):.3f})")
+        lines.append(line)
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", action="append", required=True, help="NAME[@GPUS]=OVERRIDES (repeat; the first "
+                        "is the baseline)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--flavor", default="35B-A3B")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--work", default=None, help="folder for the runs' output (default: a new temp dir)")
+    parser.add_argument("shared", nargs="*", help="trainer overrides for every variant, after --")
+    args = parser.parse_args()
+    variants = [parse_variant(spec) for spec in args.variant]
+    args.work = args.work or tempfile.mkdtemp(prefix="qwen35_alternate_")
+    if len({v.name for v in variants}) != len(variants):
+        raise SystemExit("--variant names must differ")
+
+    def run(variant: Variant, index: int) -> dict | None:
+        work = Path(args.work) / f"{variant.name}-{index}"
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(variant.gpus)]
+                    if variant.gpus > 1 else [sys.executable])
+        command = [*launcher, str(SCRIPT), "--layers", str(args.layers), "--experts", str(args.experts), "--flavor",
+                   args.flavor, "--steps", str(args.steps), "--warmup", str(args.warmup), "--work", str(work), "--",
+                   *args.shared, *variant.overrides]
+        print(f"round {index + 1}/{args.rounds}: {variant.name}: {shlex.join(command)}", flush=True)
+        done = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        metrics = work / "out" / "metrics.jsonl"
+        figures = run_figures(metrics, args.warmup) if done.returncode == 0 and metrics.exists() else None
+        if figures is None:
+            print(f"  failed (exit {done.returncode}); its output ended:\n{done.stdout[-2000:]}", flush=True)
+        else:
+            print(f"  {figures['tokens_per_sec']:,.0f} tokens/s per device, {figures['max_memory_gib']:.1f} GiB",
+                  flush=True)
+        return figures
+
+    results = alternate(variants, args.rounds, run)
+    print("\n".join(report(variants, results)))
+    return 1 if any(r is None for runs in results.values() for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""benchmarks/alternate.py: variants run round-robin, and each is compared with the first variant's run of the same
+round (the pairing is the point: machines differ by as much as the changes measured)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("alternate", REPO / "benchmarks" / "alternate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["alternate"] = module  # its dataclass resolves annotations through the module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_variant_specs_name_gpus_and_overrides():
+    alternate = _module()
+    v = alternate.parse_variant("full=--activation_checkpoint.mode full --metrics.log_freq 10")
+    assert (v.name, v.gpus, v.overrides) == ("full", 1, ["--activation_checkpoint.mode", "full",
+                                                         "--metrics.log_freq", "10"])
+    v = alternate.parse_variant("fsdp@2=")
+    assert (v.name, v.gpus, v.overrides) == ("fsdp", 2, [])
+    for bad in ("no equals sign", "x@0=", "@2=--a b"):
+        with pytest.raises(SystemExit):
+            alternate.parse_variant(bad)
+
+
+def test_variants_alternate_and_ratios_pair_runs_of_the_same_round():
+    alternate = _module()
+    variants = [alternate.parse_variant(s) for s in ("base=", "fast=--x 1", "broken=--y 2")]
+    order = []
+    # The machine slows down in round 2: "fast" is 1.10x "base" in each round, though its round-2 figure is below
+    # base's round-1 one. "broken" fails in round 2.
+    rates = {("base", 0): 100.0, ("fast", 0): 110.0, ("base", 1): 90.0, ("fast", 1): 99.0, ("broken", 0): 50.0}
+
+    def run(variant, index):
+        order.append((variant.name, index))
+        rate = rates.get((variant.name, index))
+        return None if rate is None else {"tokens_per_sec": rate, "max_memory_gib": 1.5 + index}
+
+    results = alternate.alternate(variants, 2, run)
+    assert order == [("base", 0), ("fast", 0), ("broken", 0), ("base", 1), ("fast", 1), ("broken", 1)]
+    lines = alternate.report(variants, results)
+    assert lines[0].strip() == "base (1 rank): 100 90; mean 95, peak 2.5 GiB"
+    assert lines[1].strip() == "fast (1 rank): 110 99; mean 104, peak 2.5 GiB; vs base: 1.100 1.100 (mean 1.100)"
+    assert lines[2].strip() == "broken (1 rank): 50 failed; mean 50, peak 1.5 GiB; vs base: 0.500 (mean 0.500)"
