@@ -97,9 +97,9 @@ def main() -> int:
     parser.add_argument("shared", nargs="*", help="trainer overrides for every variant, after --")
     args = parser.parse_args()
     variants = [parse_variant(spec) for spec in args.variant]
-    args.work = args.work or tempfile.mkdtemp(prefix="qwen35_alternate_")
     if len({v.name for v in variants}) != len(variants):
         raise SystemExit("--variant names must differ")
+    args.work = args.work or tempfile.mkdtemp(prefix="qwen35_alternate_")
 
     def run(variant: Variant, index: int) -> dict | None:
         work = Path(args.work) / f"{variant.name}-{index}"

@@ -69,8 +69,9 @@ def by_family(kernels: list[dict]) -> dict[str, list[float]]:
     """family -> [us, count]"""
     sums = collections.defaultdict(lambda: [0.0, 0])
     for k in kernels:
-        sums[family(k["name"])][0] += k["dur"]
-        sums[family(k["name"])][1] += 1
+        row = sums[family(k["name"])]
+        row[0] += k["dur"]
+        row[1] += 1
     return sums
 
 
