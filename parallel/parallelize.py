@@ -9,17 +9,16 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.qwen35_moe.attention import GatedAttention
 from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
 from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 
+from .activation_checkpointing import apply_activation_checkpointing
 from .context_parallel import CPContext
 from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
 from .vocab_parallel import apply_vocab_parallel
@@ -53,56 +52,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str =
             module._ep = exchanges[name](ep_mesh)
             chosen.add(name)
     logger.info("expert parallelism: %d ranks, %s dispatch", ep_mesh.size(), " / ".join(sorted(chosen)))
-
-
-def _saved_ops() -> set:
-    """What selective checkpointing keeps from the forward: the outputs of the matmuls (projections, experts'
-    grouped GEMMs), of the attention kernels and of the collectives (context parallelism's exchanges), the
-    expensive ops whose outputs are small next to the elementwise chains (norms, activations, gates, RoPE,
-    routing) that are recomputed instead. FLA's Gated DeltaNet kernels (Triton, inside an autograd Function)
-    are not aten ops: they run again in the recompute."""
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-    names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_grouped_mm"),
-             (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
-             (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_flash_attention_forward"),
-             (aten, "_efficient_attention_forward"), (c10d, "all_gather_into_tensor"),
-             (c10d, "reduce_scatter_tensor"), (c10d, "all_to_all_single")]
-    return {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
-
-
-def _ignore_profiler_ops_in_selective_checkpointing() -> None:
-    """FSDP2's hooks of the fp32 units nested in a block run inside its checkpointed region and open profiler
-    ranges (`record_function`) a different number of times in the forward and in the recompute; selective
-    checkpointing matches every op's calls between the two, so it must not count these (they compute nothing)."""
-    from torch.utils import checkpoint
-
-    if not hasattr(checkpoint, "SAC_IGNORED_OPS"):  # a torch whose SAC does not match recomputed ops' calls
-        return
-    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
-        packet = getattr(torch.ops.profiler, name, None)
-        for overload in packet.overloads() if packet is not None else []:
-            checkpoint.SAC_IGNORED_OPS.add(getattr(packet, overload))
-
-
-def _selective_policy(saved: set):
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
-
-
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """"full": keep only each decoder block's input and recompute the block in backward; "selective": per op,
-    keep the matmul, attention and collective outputs and recompute the elementwise work between them
-    (`_saved_ops`)."""
-    if mode == "none":
-        return
-    kwargs = {}
-    if mode == "selective":
-        _ignore_profiler_ops_in_selective_checkpointing()
-        policy = _selective_policy(_saved_ops())
-        kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)
-    for name, layer in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(layer, preserve_rng_state=False, **kwargs)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -223,10 +172,11 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     # Compile first, then checkpoint the compiled block: compile over a checkpointed block would have to trace the
     # checkpoint whole, and a block with graph breaks (FLA's kernels, EP's exchange) cannot be; dynamo then runs
     # the whole block eagerly, in the forward and in the recompute (on one H200 full AC then cost 39% of the
-    # no-AC speed, against 15% compiled).
-    if compile:
+    # no-AC speed, against 15% compiled). Full AC compiles the blocks itself, in two halves
+    # (activation_checkpointing.py).
+    if compile and ac_mode != "full":
         apply_compile(model)
-    apply_activation_checkpointing(model, ac_mode)
+    apply_activation_checkpointing(model, ac_mode, compiled=compile)
     if mesh is not None and mesh.size() > 1:
         apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_parallel)
     else:  # one rank: nothing to shard; the fp32 weights are cast where they are used (linear.py)

@@ -124,6 +124,13 @@ class GatedAttention(nn.Module):
         self._cp = None  # context parallelism's exchanges, attached by the parallelize function
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        return self.project(self.core(x, layout))
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(out)
+
+    def core(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The layer up to its output projection: the heads' gated outputs (B, S, H * D)."""
         batch, seq, _ = x.shape
         q, gate = self.q_proj(x).view(batch, seq, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(batch, seq, self.num_heads * self.head_dim)
@@ -145,5 +152,4 @@ class GatedAttention(nn.Module):
             out = _flash_varlen(q, k, v, layout)  # (B, S, Hq, D)
         else:
             out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout).transpose(1, 2)
-        out = out.reshape(batch, seq, self.num_heads * self.head_dim) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return out.reshape(batch, seq, self.num_heads * self.head_dim) * torch.sigmoid(gate)

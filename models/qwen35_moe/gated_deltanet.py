@@ -76,16 +76,18 @@ class CPAwareGatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D); `layout` marks the packed documents (under CP: of the whole rows)."""
-        if self._cp is None:
-            return self._mix(x, layout, group=0, groups=1)
-        rows = self._cp.gather_sequence(x)  # (B, S, D), natural order
-        partial = self._mix(rows, layout.global_layout, self._cp.rank, self._cp.size)
-        return self._cp.scatter_sequence(partial)  # (B, T, D): this rank's tokens, summed over the heads' groups
+        return self.project(self.core(x, layout))
 
-    def _mix(self, x: torch.Tensor, layout: DocumentLayout, group: int, groups: int) -> torch.Tensor:
-        """The layer on rows x (B, S, D) (documents: `layout`) for value heads group * Hv/groups ...
-        (group + 1) * Hv/groups and their key heads; returns out_proj of those heads' outputs (B, S, D), the whole
-        layer when groups == 1."""
+    def core(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The layer up to its output projection: its value heads' gated, normed outputs (B, S, Hv * Dv). Under CP
+        it gathers the whole rows (B, S, D) and computes for value heads group * Hv/groups ... (group + 1) *
+        Hv/groups of the whole rows (group: this rank) and their key heads."""
+        # One function, not a helper per case: each function a graph break (FLA's call) passes through becomes
+        # frames that dynamo compiles separately.
+        group, groups = 0, 1
+        if self._cp is not None:
+            x = self._cp.gather_sequence(x)  # (B, S, D), natural order
+            layout, group, groups = layout.global_layout, self._cp.rank, self._cp.size
         cu_seqlens, cu_seqlens_cpu = layout.cu_seqlens, layout.cu_seqlens_cpu
         hk, hv, dk, dv = self.num_k_heads // groups, self.num_v_heads // groups, self.head_k_dim, self.head_v_dim
         keys, values = slice(group * hk * dk, (group + 1) * hk * dk), slice(group * hv * dv, (group + 1) * hv * dv)
@@ -109,8 +111,15 @@ class CPAwareGatedDeltaNet(nn.Module):
 
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
         z = F.linear(x, _rows(weight_in(self.in_proj_z, "weight", x.dtype), [values], groups)).reshape(*tokens, hv, dv)
-        o = self.norm(o, z).reshape(batch, seq, hv * dv)
-        return F.linear(o, _columns(weight_in(self.out_proj, "weight", o.dtype), values, groups))
+        return self.norm(o, z).reshape(batch, seq, hv * dv)
+
+    def project(self, o: torch.Tensor) -> torch.Tensor:
+        """core's output -> (B, T, D) through out_proj; under CP its columns of this rank's heads, and the partial
+        sums reduce-scattered to this rank's tokens."""
+        group, groups = (0, 1) if self._cp is None else (self._cp.rank, self._cp.size)
+        values = slice(group * self.value_dim // groups, (group + 1) * self.value_dim // groups)
+        out = F.linear(o, _columns(weight_in(self.out_proj, "weight", o.dtype), values, groups))
+        return out if self._cp is None else self._cp.scatter_sequence(out)
 
 
 def _shift(s: slice, offset: int) -> slice:

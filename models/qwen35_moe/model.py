@@ -68,11 +68,28 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layout: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (B, S, D) -> h (B, S, D), this layer's expert counts (E,) and router probability sums (E,)."""
-        x = self.input_layernorm(h)
-        if self.layer_type == FULL_ATTENTION:
-            h = h + self.self_attn(x, layout)
-        else:
-            h = h + self.linear_attn(x, layout)
+        # moe_half(mixer_half(h)), spelled out: each function that a graph break (FLA's call) passes through becomes
+        # frames that dynamo compiles separately.
+        h = h + self.mixer.project(self.mixer.core(self.input_layernorm(h), layout))
+        moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
+        return h + moe_out, counts, prob_sums
+
+    # The halves, and the mixer's output projection, are separate methods so that activation checkpointing can
+    # treat them differently (parallel/activation_checkpointing.py).
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
+
+    def mixer_half(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The token mixer with its residual: h + mixer(norm(h))."""
+        return h + self.mixer.project(self.mixer_core(h, layout))
+
+    def mixer_core(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The token mixer of norm(h) up to its output projection."""
+        return self.mixer.core(self.input_layernorm(h), layout)
+
+    def moe_half(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MoE with its residual: h + moe(norm(h)), with the routing statistics."""
         moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
         return h + moe_out, counts, prob_sums
 

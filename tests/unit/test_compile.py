@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch._dynamo.utils import counters
 
-from models.qwen35_moe import attention, get_flavor
+from models.qwen35_moe import attention, get_flavor, moe
 from parallel.parallelize import apply_compile, parallelize_qwen35_moe
 from tests.builders import fp32_grad_tolerance, initialized_model
 
@@ -107,6 +107,8 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
         loss_c, grads_c = _step(checkpointed, ids, None)
         _step(plain, ids, None)
     grads_c = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in grads_c.items()}
+    if ac_mode == "full":  # the CPU reference experts loop on the host: each MoE half's checkpoint is eager
+        assert [layer.moe_half_traced for layer in checkpointed.layers.values()] == [False] * len(checkpointed.layers)
     calls, calls_plain = _compiled_graph_calls(checkpointed, ids), _compiled_graph_calls(plain, ids)
     # Every graph the compiled block runs, plus the forward graphs again in the recompute.
     assert calls > calls_plain > 0, (calls, calls_plain)
@@ -114,6 +116,61 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
     for name, grad in grads.items():
         tol = fp32_grad_tolerance(name)
         torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol * 1e-2, msg=name)
+    torch._dynamo.reset()
+
+
+def _experts_in_one_graph(self, x, counts):
+    """The routed experts as one traceable computation, as the GPU's grouped GEMMs are (the CPU reference loops over
+    the experts on the host): each row computed with its expert's weights, gathered; exact in fp32."""
+    gate_up, down = self._weights(x.dtype)
+    expert = torch.searchsorted(counts.cumsum(0), torch.arange(x.shape[0]), right=True).clamp(max=len(counts) - 1)
+    gate, up = torch.bmm(gate_up[expert], x.unsqueeze(-1)).chunk(2, dim=1)
+    return torch.bmm(down[expert], F.silu(gate) * up).squeeze(-1).clone()
+
+
+def _routing_ops_in_backward(model, ids) -> int:
+    out = model(ids)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    model.zero_grad()
+    return sum(e.name in ("aten::topk", "aten::sort") for e in prof.events())
+
+
+def test_full_checkpointing_compiles_each_moe_half_with_its_checkpoint(monkeypatch):
+    """Where the MoE half has no graph break (the GPU's experts; here a traceable stand-in), dynamo traces its
+    checkpoint (parallel/activation_checkpointing.py): the recompute is part of the compiled backward and reuses
+    the forward's routing. The mixer half's recompute stops inside the mixer's output projection, before its GEMM
+    (the projection's input is the last tensor the backward needs). The loss and gradients are eager's."""
+    monkeypatch.setattr(moe.RoutedExperts, "forward", _experts_in_one_graph)
+    torch._dynamo.reset()
+    eager = initialized_model(get_flavor("debugmodel"))
+    checkpointed = parallelize_qwen35_moe(copy.deepcopy(eager), None, param_dtype=torch.float32,
+                                          reduce_dtype=torch.float32, ac_mode="full", compile=True)
+    projections = {"entered": 0, "returned": 0}
+    for layer in checkpointed.layers.values():
+        def project(o, project=layer.mixer.project):
+            projections["entered"] += 1
+            out = project(o)
+            projections["returned"] += 1
+            return out
+        monkeypatch.setattr(layer.mixer, "project", project)
+    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(6))
+    loss, grads = _step(eager, ids, None)
+    for _ in range(2):
+        loss_c, grads_c = _step(checkpointed, ids, None)
+    # Each step: every layer's forward (entered, returned) and recompute (entered, stopped inside).
+    assert projections == {"entered": 4 * len(eager.layers), "returned": 2 * len(eager.layers)}
+    assert [layer.moe_half_traced for layer in checkpointed.layers.values()] == [True] * len(checkpointed.layers)
+    assert loss_c == pytest.approx(loss, rel=1e-6)
+    for name, grad in grads.items():
+        tol = fp32_grad_tolerance(name)
+        torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol * 1e-2, msg=name)
+    # An eager recompute runs each layer's top-k and expert sort again (the contrast: one of each per layer).
+    assert _routing_ops_in_backward(checkpointed, ids) == 0
+    assert _routing_ops_in_backward(parallelize_qwen35_moe(copy.deepcopy(eager), None, param_dtype=torch.float32,
+                                                           reduce_dtype=torch.float32, ac_mode="full",
+                                                           compile=False), ids) == 2 * len(eager.layers)
     torch._dynamo.reset()
 
 

@@ -13,7 +13,7 @@ import parallel.expert_parallel as expert_parallel
 from models.qwen35_moe import Qwen35MoeArgs
 from models.qwen35_moe.moe import SparseMoE
 from parallel.expert_parallel import ExpertParallel, shard_experts
-from parallel.parallelize import _saved_ops, _selective_policy
+from parallel.activation_checkpointing import _saved_ops, _selective_policy
 
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
                      shared_expert_intermediate_size=8)

@@ -6,7 +6,7 @@ import math
 import torch
 
 from models.qwen35_moe import get_flavor
-from parallel.parallelize import apply_activation_checkpointing
+from parallel.activation_checkpointing import apply_activation_checkpointing
 from tests.builders import initialized_model
 
 ARGS = get_flavor("debugmodel")

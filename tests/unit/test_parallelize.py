@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.qwen35_moe import get_flavor
-from parallel.parallelize import apply_activation_checkpointing
+from parallel.activation_checkpointing import apply_activation_checkpointing
 from tests.builders import initialized_model
 
 
