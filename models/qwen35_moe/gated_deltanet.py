@@ -76,14 +76,15 @@ class CPAwareGatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D); `layout` marks the packed documents (under CP: of the whole rows)."""
-        return self.project(self.core(x, layout))
+        return self.core(x, layout, projected=True)
 
-    def core(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """The layer up to its output projection: its value heads' gated, normed outputs (B, S, Hv * Dv). Under CP
-        it gathers the whole rows (B, S, D) and computes for value heads group * Hv/groups ... (group + 1) *
-        Hv/groups of the whole rows (group: this rank) and their key heads."""
-        # One function, not a helper per case: each function a graph break (FLA's call) passes through becomes
-        # frames that dynamo compiles separately.
+    def core(self, x: torch.Tensor, layout: DocumentLayout, projected: bool = False) -> torch.Tensor:
+        """The layer up to its output projection: its value heads' gated, normed outputs (B, S, Hv * Dv); with
+        `projected`, through it (`project`): the layer's output. Under CP it gathers the whole rows (B, S, D) and
+        computes for value heads group * Hv/groups ... (group + 1) * Hv/groups of the whole rows (group: this
+        rank) and their key heads."""
+        # One function, the projection called from it: each function that a graph break (FLA's call) passes
+        # through becomes frames that dynamo compiles separately.
         group, groups = 0, 1
         if self._cp is not None:
             x = self._cp.gather_sequence(x)  # (B, S, D), natural order
@@ -111,7 +112,8 @@ class CPAwareGatedDeltaNet(nn.Module):
 
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
         z = F.linear(x, _rows(weight_in(self.in_proj_z, "weight", x.dtype), [values], groups)).reshape(*tokens, hv, dv)
-        return self.norm(o, z).reshape(batch, seq, hv * dv)
+        o = self.norm(o, z).reshape(batch, seq, hv * dv)
+        return self.project(o) if projected else o
 
     def project(self, o: torch.Tensor) -> torch.Tensor:
         """core's output -> (B, T, D) through out_proj; under CP its columns of this rank's heads, and the partial

@@ -70,12 +70,13 @@ class DecoderLayer(nn.Module):
         """h (B, S, D) -> h (B, S, D), this layer's expert counts (E,) and router probability sums (E,)."""
         # moe_half(mixer_half(h)), spelled out: each function that a graph break (FLA's call) passes through becomes
         # frames that dynamo compiles separately.
-        h = h + self.mixer.project(self.mixer.core(self.input_layernorm(h), layout))
+        h = h + self.mixer(self.input_layernorm(h), layout)
         moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
         return h + moe_out, counts, prob_sums
 
     # The halves, and the mixer's output projection, are separate methods so that activation checkpointing can
-    # treat them differently (parallel/activation_checkpointing.py).
+    # treat them differently (parallel/activation_checkpointing.py). They call the mixer's `core` and `project`
+    # directly: hooks on the mixer module itself do not run there.
     @property
     def mixer(self) -> nn.Module:
         return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward
 from parallel.parallelize import parallelize_qwen35_moe
-from tests.gpu.test_model_cuda import ARGS, PACKED_POSITIONS, _batch, build_reference_model
+from tests.gpu.test_model_cuda import ARGS, PACKED_POSITIONS, _batch, _rel, build_reference_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -56,9 +56,11 @@ def test_compiled_full_checkpointing_traces_the_moe_half_and_matches_no_checkpoi
     # + both grouped GEMMs again; the routing and the combine are not rerun (an eager recompute of the whole block
     # would run one top-k, one sort and one combine per layer).
     assert ran_ac == (6 * layers, 0, ran[2])
-    # The forward runs the same compiled computations, and the recompute repeats them: equal up to the
-    # backward's fusions (bf16 rounding of the gradients, 2^-8 relative).
-    assert loss_ac == pytest.approx(loss, rel=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grads_ac[name], grad, rtol=1e-2, atol=1e-2 * grad.abs().max().item(), msg=name)
+    # The checkpointed block is compiled as other graphs (two halves, the projection between them eager), whose
+    # fusions round differently in bf16 (the loss 1.8e-4 apart on an H200); a recompute that read a wrong tensor
+    # would be off by far more. Each parameter's gradient to 2% (relative error of the whole tensor).
+    assert loss_ac == pytest.approx(loss, rel=1e-3)
+    errors = {name: _rel(grads_ac[name], grad) for name, grad in grads.items()}
+    print("largest gradient errors:", sorted(errors.items(), key=lambda item: -item[1])[:3])
+    assert max(errors.values()) < 2e-2, errors
     torch._dynamo.reset()
