@@ -1,8 +1,13 @@
 """Full activation checkpointing of compiled blocks on the GPU (parallel/activation_checkpointing.py): each block's
 MoE half is traced by dynamo with its checkpoint, so its recompute is part of the compiled backward. Against the
-same compiled model without checkpointing: the same loss and gradients; the backward runs the experts' two grouped
-GEMMs again, but not the routing (kept) nor the weighted combine of the experts' outputs (the backward does not
-read its output), which an eager recompute of the whole block runs again."""
+same halves checkpointed eagerly around their compiled graphs (what a half with a graph break gets): the same loss
+and gradients, and a backward that runs the experts' two grouped GEMMs again but not the routing (kept) nor the
+weighted combine of the experts' outputs (no backward reads its output).
+
+The reference is the same compiled graphs rather than the uncheckpointed model: split into halves, the block is
+compiled as other graphs, whose bf16 rounding differs (the loss 3.8e-4 apart on an H200), and in this small model
+some gradients are sums that cancel (the SSM gate's A_log and dt_bias): compiled and eager without any
+checkpointing differ there by 230% in bf16, where the traced and the eager recompute agree bitwise."""
 
 from __future__ import annotations
 
@@ -35,32 +40,30 @@ def _step(model, ids, positions):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, ran
 
 
-def test_compiled_full_checkpointing_traces_the_moe_half_and_matches_no_checkpointing():
+def test_compiled_full_checkpointing_traces_the_moe_half():
     torch._dynamo.reset()
     enable_fla_hopper_backward(ARGS.linear_num_key_heads, ARGS.linear_num_value_heads,
                                ARGS.linear_key_head_dim, ARGS.linear_value_head_dim, "cuda")
     ref = build_reference_model().to("cuda")
     ids, positions = _batch(0).cuda(), PACKED_POSITIONS.cuda()
-    runs = {}
-    for mode in ("none", "full"):
+    runs, layers = {}, ARGS.num_hidden_layers
+    for mode, traced in (("none", None), ("full", True), ("full", False)):
         model = parallelize_qwen35_moe(copy.deepcopy(ref), None, param_dtype=torch.bfloat16,
                                        reduce_dtype=torch.float32, ac_mode=mode, compile=True)
+        if traced is False:  # as where the MoE half breaks the graph
+            for layer in model.layers.values():
+                layer.moe_half_traced = False
         for _ in range(2):  # compiles, then runs the compiled graphs
-            runs[mode] = _step(model, ids, positions)
-        if mode == "full":
-            assert [layer.moe_half_traced for layer in model.layers.values()] == [True] * ARGS.num_hidden_layers
-    (loss, grads, ran), (loss_ac, grads_ac, ran_ac) = runs["none"], runs["full"]
-    layers = ARGS.num_hidden_layers
+            runs[mode, traced] = _step(model, ids, positions)
+        if traced:
+            assert [layer.moe_half_traced for layer in model.layers.values()] == [True] * layers
+    (loss, _, ran), (loss_t, grads_t, ran_t), (loss_e, grads_e, ran_e) = runs.values()
     # Per layer: the two grouped GEMMs' input and weight gradients (4), no routing op, the gather's backward.
     assert ran[:2] == (4 * layers, 0) and ran[2] > 0
-    # + both grouped GEMMs again; the routing and the combine are not rerun (an eager recompute of the whole block
-    # would run one top-k, one sort and one combine per layer).
-    assert ran_ac == (6 * layers, 0, ran[2])
-    # The checkpointed block is compiled as other graphs (two halves, the projection between them eager), whose
-    # fusions round differently in bf16 (the loss 1.8e-4 apart on an H200); a recompute that read a wrong tensor
-    # would be off by far more. Each parameter's gradient to 2% (relative error of the whole tensor).
-    assert loss_ac == pytest.approx(loss, rel=1e-3)
-    errors = {name: _rel(grads_ac[name], grad) for name, grad in grads.items()}
-    print("largest gradient errors:", sorted(errors.items(), key=lambda item: -item[1])[:3])
-    assert max(errors.values()) < 2e-2, errors
+    # Both recomputes run the grouped GEMMs again; the eager one also the top-k and sort, and the combine.
+    assert ran_t == (6 * layers, 0, ran[2])
+    assert ran_e == (6 * layers, 2 * layers, 2 * ran[2])
+    assert loss_t == loss_e and loss_t == pytest.approx(loss, rel=1e-3)
+    for name, grad in grads_e.items():
+        assert _rel(grads_t[name], grad) < 1e-3, name
     torch._dynamo.reset()
