@@ -11,7 +11,8 @@ The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 com
   the prefetched one, and in backward their gradients on their way to the reduce-scatter; under EP a block
   gathers only its E / ep local experts;
 - activations: per token on this GPU, WORKING_BYTES for the block being recomputed (full AC) and the saved
-  block inputs (2 B x hidden per block); without AC, LAYER_BYTES for every block, plus, counted not fitted (the
+  inputs, 2 B x hidden each: compiled, full AC checkpoints each block in two halves (two inputs a block,
+  parallel/activation_checkpointing.py; eager, one: the model then over-predicts by 2 B x hidden a block); without AC, LAYER_BYTES for every block, plus, counted not fitted (the
   fitted peaks were measured before bdecd26), the chunk states FLA's function keeps for its backward
   (models/qwen35_moe/fla_saved_states.py) in every Gated DeltaNet layer. (With full AC only the recomputed block
   holds them, as FLA's backward held the same tensors when it recomputed them: not counted.)
@@ -88,7 +89,7 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     if s.ac == "none":
         activations = tokens * (layers * LAYER_BYTES + gdn_layers * fla_state_bytes(args))
     else:
-        activations = tokens * (WORKING_BYTES + layers * 2 * args.hidden_size)
+        activations = tokens * (WORKING_BYTES + layers * 2 * 2 * args.hidden_size)
     return (states + gathered + activations) / GIB + FIXED_GIB
 
 

@@ -153,9 +153,10 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    # "full": recompute every block in backward; "selective": keep matmul, attention and collective outputs,
-    # recompute the elementwise work between them (less memory than none, less recompute than full; with
-    # compile.enable it recomputes the compiled graphs whole and is slower than full, README "Speed")
+    # "full": recompute every block in backward (with compile.enable, in two halves, the MoE half's recompute
+    # compiled into the backward: parallel/activation_checkpointing.py); "selective": keep matmul, attention and
+    # collective outputs, recompute the elementwise work between them (less memory than none, less recompute than
+    # full; with compile.enable it recomputes the compiled graphs whole and is slower than full, README "Speed")
     mode: Literal["none", "full", "selective"] = "none"
 
 

@@ -18,9 +18,9 @@ Compiled blocks under full AC are checkpointed in two halves (`checkpoint_compil
   CPU reference experts, the routed experts as an FSDP unit of their own) dynamo says so at the first forward, and
   that block's MoE half is checkpointed eagerly around its compiled graphs instead.
 
-One H200, 8 layers / 32 experts at 35B-A3B's widths, compiled: full AC cost 11.2-13.2% of the no-AC tokens/s
-where the whole compiled blocks in an eager checkpoint cost 14.2-16.2% (same calls), for +0.3 GiB (each block's
-middle is kept too). Also keeping the experts' gate-up GEMM output (+1 GiB) was no faster (README "Speed").
+H200s, 8 layers / 32 experts at 35B-A3B's widths, compiled: full AC cost 13.2-15.1% of the no-AC tokens/s where
+whole compiled blocks in an eager checkpoint cost 15.7-16.1% in the same calls, for +0.3 GiB (each block keeps
+its middle too). Also keeping the experts' gate-up GEMM output (+1 GiB) was not faster (README "Speed").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Model construction shared by the tests: the meta -> materialise -> init path the trainer takes."""
 
 import torch
+import torch.nn.functional as F
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
 
@@ -23,3 +24,13 @@ DECAY_PARAMS = ("A_log", "dt_bias", "in_proj_a.weight")
 def fp32_grad_tolerance(name: str) -> float:
     """Relative tolerance for a parameter's gradient between two fp32 CPU runs that sum in different orders."""
     return 1e-4 if name.endswith(DECAY_PARAMS) else 1e-5
+
+
+def experts_in_one_graph(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """A stand-in for `RoutedExperts.forward` (patch it onto the class): the routed experts as one traceable
+    computation, as the GPU's grouped GEMMs are (the CPU reference loops over the experts on the host, a graph
+    break): each row computed with its expert's weights, gathered. Exact in fp32."""
+    gate_up, down = self._weights(x.dtype)
+    expert = torch.searchsorted(counts.cumsum(0), torch.arange(x.shape[0]), right=True).clamp(max=len(counts) - 1)
+    gate, up = torch.bmm(gate_up[expert], x.unsqueeze(-1)).chunk(2, dim=1)
+    return torch.bmm(down[expert], F.silu(gate) * up).squeeze(-1).clone()  # a view would trip FSDP's output check

@@ -15,14 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeModel, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe
-
-
-def experts_in_one_graph(self, x, counts):
-    """Each row computed with its expert's weights, gathered (exact in fp32; no host loop over the experts)."""
-    gate_up, down = self._weights(x.dtype)
-    expert = torch.searchsorted(counts.cumsum(0), torch.arange(x.shape[0]), right=True).clamp(max=len(counts) - 1)
-    gate, up = torch.bmm(gate_up[expert], x.unsqueeze(-1)).chunk(2, dim=1)
-    return torch.bmm(down[expert], F.silu(gate) * up).squeeze(-1).clone()
+from tests.builders import experts_in_one_graph
 
 
 def step(mesh, ids: torch.Tensor, ac_mode: str, compile: bool) -> dict:

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor, moe
 from parallel.parallelize import apply_compile, parallelize_qwen35_moe
-from tests.builders import fp32_grad_tolerance, initialized_model
+from tests.builders import experts_in_one_graph, fp32_grad_tolerance, initialized_model
 
 SEQ = 96
 
@@ -57,13 +57,21 @@ def _step(model, ids, positions):
     return loss.item(), grads
 
 
-def test_compiled_blocks_match_eager_and_compile_once(monkeypatch):
+@pytest.mark.parametrize("ac_mode", ["none", "full"])
+def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
+    """Also under full AC, compiled in two halves with the MoE half's checkpoint traced (the experts as one graph,
+    as on the GPU): the recompute must pick the forward's graphs whatever the layout."""
     monkeypatch.setattr(attention, "_flash_applies", lambda q: True)
     monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_stand_in, True))
     torch._dynamo.reset()
     eager = initialized_model(get_flavor("debugmodel"))
     compiled = copy.deepcopy(eager)
-    apply_compile(compiled)
+    if ac_mode == "none":
+        apply_compile(compiled)
+    else:
+        monkeypatch.setattr(moe.RoutedExperts, "forward", experts_in_one_graph)
+        parallelize_qwen35_moe(compiled, None, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                               ac_mode=ac_mode, compile=True)
     g = torch.Generator().manual_seed(3)
     compiles_after_warmup = None
     for i, documents in enumerate(LAYOUTS):
@@ -119,15 +127,6 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
     torch._dynamo.reset()
 
 
-def _experts_in_one_graph(self, x, counts):
-    """The routed experts as one traceable computation, as the GPU's grouped GEMMs are (the CPU reference loops over
-    the experts on the host): each row computed with its expert's weights, gathered; exact in fp32."""
-    gate_up, down = self._weights(x.dtype)
-    expert = torch.searchsorted(counts.cumsum(0), torch.arange(x.shape[0]), right=True).clamp(max=len(counts) - 1)
-    gate, up = torch.bmm(gate_up[expert], x.unsqueeze(-1)).chunk(2, dim=1)
-    return torch.bmm(down[expert], F.silu(gate) * up).squeeze(-1).clone()
-
-
 def _routing_ops_in_backward(model, ids) -> int:
     out = model(ids)
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
@@ -142,7 +141,7 @@ def test_full_checkpointing_compiles_each_moe_half_with_its_checkpoint(monkeypat
     checkpoint (parallel/activation_checkpointing.py): the recompute is part of the compiled backward and reuses
     the forward's routing. The mixer half's recompute stops inside the mixer's output projection, before its GEMM
     (the projection's input is the last tensor the backward needs). The loss and gradients are eager's."""
-    monkeypatch.setattr(moe.RoutedExperts, "forward", _experts_in_one_graph)
+    monkeypatch.setattr(moe.RoutedExperts, "forward", experts_in_one_graph)
     torch._dynamo.reset()
     eager = initialized_model(get_flavor("debugmodel"))
     checkpointed = parallelize_qwen35_moe(copy.deepcopy(eager), None, param_dtype=torch.float32,
