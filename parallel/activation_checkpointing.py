@@ -100,6 +100,9 @@ def _mixer_half_projected_eagerly(layer: DecoderLayer, h: torch.Tensor, layout) 
     return h + layer.mixer.project(_compiled_mixer_core(layer, h, layout))
 
 
+_fallbacks_logged: set[str] = set()
+
+
 def _forward_in_checkpointed_halves(layer: DecoderLayer, h: torch.Tensor, layout):
     h = checkpoint(_mixer_half_projected_eagerly, layer, h, layout, use_reentrant=False, preserve_rng_state=False)
     if layer.moe_half_traced is not False:
@@ -109,9 +112,11 @@ def _forward_in_checkpointed_halves(layer: DecoderLayer, h: torch.Tensor, layout
             if layer.moe_half_traced:
                 raise
             layer.moe_half_traced = False
-            logger.info("activation checkpointing: the MoE half of a %s block breaks the compiled graph (%s); its "
-                        "checkpoint reruns its compiled graphs instead", layer.layer_type,
-                        str(error).splitlines()[0])
+            reason = str(error).splitlines()[0]
+            if reason not in _fallbacks_logged:  # once per cause, not once per block
+                _fallbacks_logged.add(reason)
+                logger.info("activation checkpointing: a block's MoE half breaks the compiled graph (%s); its "
+                            "checkpoint reruns its compiled graphs instead", reason)
         else:
             layer.moe_half_traced = True
             return out
