@@ -86,10 +86,13 @@ def _checkpointed_moe_half(layer: DecoderLayer, h: torch.Tensor):
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_in_moe_half))
 
 
-# Shared by every block: dynamo keys its graphs on the code, and guards on what differs between blocks.
-_compiled_mixer_core = torch.compile(DecoderLayer.mixer_core)
-_compiled_moe_half = torch.compile(DecoderLayer.moe_half)
-_compiled_checkpointed_moe_half = torch.compile(_checkpointed_moe_half, fullgraph=True)
+@functools.cache
+def _compiled() -> types.SimpleNamespace:
+    """The compiled halves, shared by every block (dynamo keys its graphs on the code and guards on what differs
+    between blocks); made at first use, as `torch.compile` imports inductor (~1 s)."""
+    return types.SimpleNamespace(mixer_core=torch.compile(DecoderLayer.mixer_core),
+                                 moe_half=torch.compile(DecoderLayer.moe_half),
+                                 checkpointed_moe_half=torch.compile(_checkpointed_moe_half, fullgraph=True))
 
 
 def _mixer_half_projected_eagerly(layer: DecoderLayer, h: torch.Tensor, layout) -> torch.Tensor:
@@ -97,7 +100,7 @@ def _mixer_half_projected_eagerly(layer: DecoderLayer, h: torch.Tensor, layout) 
     (early stop, torch's default) as soon as the last tensor the backward needs is saved again, which is the
     projection's input: an eager GEMM saves its inputs before it runs, so the projection and the residual sum,
     whose outputs no backward reads, are not recomputed (a compiled graph saves its tensors after it has run)."""
-    return h + layer.mixer.project(_compiled_mixer_core(layer, h, layout))
+    return h + layer.mixer.project(_compiled().mixer_core(layer, h, layout))
 
 
 _fallbacks_logged: set[str] = set()
@@ -107,7 +110,7 @@ def _forward_in_checkpointed_halves(layer: DecoderLayer, h: torch.Tensor, layout
     h = checkpoint(_mixer_half_projected_eagerly, layer, h, layout, use_reentrant=False, preserve_rng_state=False)
     if layer.moe_half_traced is not False:
         try:
-            out = _compiled_checkpointed_moe_half(layer, h)
+            out = _compiled().checkpointed_moe_half(layer, h)
         except torch._dynamo.exc.Unsupported as error:  # a graph break, found while tracing: nothing has run
             if layer.moe_half_traced:
                 raise
@@ -120,7 +123,7 @@ def _forward_in_checkpointed_halves(layer: DecoderLayer, h: torch.Tensor, layout
         else:
             layer.moe_half_traced = True
             return out
-    return checkpoint(_compiled_moe_half, layer, h, use_reentrant=False, preserve_rng_state=False)
+    return checkpoint(_compiled().moe_half, layer, h, use_reentrant=False, preserve_rng_state=False)
 
 
 def checkpoint_compiled_halves(layer: DecoderLayer) -> None:
