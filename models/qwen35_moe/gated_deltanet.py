@@ -85,10 +85,9 @@ class CPAwareGatedDeltaNet(nn.Module):
         rank) and their key heads."""
         # One function, the projection called from it: each function that a graph break (FLA's call) passes
         # through becomes frames that dynamo compiles separately.
-        group, groups = 0, 1
+        group, groups = self._head_group()
         if self._cp is not None:
-            x = self._cp.gather_sequence(x)  # (B, S, D), natural order
-            layout, group, groups = layout.global_layout, self._cp.rank, self._cp.size
+            x, layout = self._cp.gather_sequence(x), layout.global_layout  # (B, S, D), natural order
         cu_seqlens, cu_seqlens_cpu = layout.cu_seqlens, layout.cu_seqlens_cpu
         hk, hv, dk, dv = self.num_k_heads // groups, self.num_v_heads // groups, self.head_k_dim, self.head_v_dim
         keys, values = slice(group * hk * dk, (group + 1) * hk * dk), slice(group * hv * dv, (group + 1) * hv * dv)
@@ -118,10 +117,14 @@ class CPAwareGatedDeltaNet(nn.Module):
     def project(self, o: torch.Tensor) -> torch.Tensor:
         """core's output -> (B, T, D) through out_proj; under CP its columns of this rank's heads, and the partial
         sums reduce-scattered to this rank's tokens."""
-        group, groups = (0, 1) if self._cp is None else (self._cp.rank, self._cp.size)
+        group, groups = self._head_group()
         values = slice(group * self.value_dim // groups, (group + 1) * self.value_dim // groups)
         out = F.linear(o, _columns(weight_in(self.out_proj, "weight", o.dtype), values, groups))
         return out if self._cp is None else self._cp.scatter_sequence(out)
+
+    def _head_group(self) -> tuple[int, int]:
+        """(group, groups): this rank's share of the heads, the cp-th part under CP, all of them (0, 1) alone."""
+        return (0, 1) if self._cp is None else (self._cp.rank, self._cp.size)
 
 
 def _shift(s: slice, offset: int) -> slice:

@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layout: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (B, S, D) -> h (B, S, D), this layer's expert counts (E,) and router probability sums (E,)."""
-        # moe_half(mixer_half(h)), spelled out: each function that a graph break (FLA's call) passes through becomes
-        # frames that dynamo compiles separately.
+        # moe_half(mixer_half(h)), spelled out: each function that a graph break (FLA's call; on CPU and under EP
+        # also the experts') passes through becomes frames that dynamo compiles separately.
         h = h + self.mixer(self.input_layernorm(h), layout)
         moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
         return h + moe_out, counts, prob_sums

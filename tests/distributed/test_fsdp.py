@@ -5,29 +5,15 @@ HSDP and CP. The same seed gives the same initial weights, and the same global b
 gives the same loss, MoE balance loss, validation loss and gradients, whatever the layout (in float64, where only
 summation order differs)."""
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.launch import REPO, run, torchrun
+
 WORKER = str(REPO / "tests" / "distributed" / "fsdp_step_worker.py")
 SKEWED = "--skewed-routing"
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0"]
-
-
-def run(cmd, cwd):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    # The cause (a rank's exception) comes before torchrun's summary, which alone would fill the tail.
-    causes = [line for line in result.stderr.splitlines() if "Error" in line or "error:" in line][:10]
-    assert result.returncode == 0, "\n".join(causes) + "\n...\n" + result.stdout[-2000:] + result.stderr[-3000:]
-
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):

@@ -1,17 +1,12 @@
 """FSDP2 with bf16 params (2 gloo ranks, forced on CPU): the fp32 contract holds inside forward, in gradients and
 in optimizer state, and RoPE angles are never rounded to bf16, at positions near 32k and 256k."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from models.qwen35_moe import get_flavor
+from tests.distributed.launch import REPO, run, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "distributed" / "fsdp_bf16_worker.py")
 FP32_PARAMS = ("_fp32_params.A_log", "_fp32_params.dt_bias", "norm.weight")  # of each linear_attn
 
@@ -19,11 +14,7 @@ FP32_PARAMS = ("_fp32_params.A_log", "_fp32_params.dt_bias", "norm.weight")  # o
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bf16")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", WORKER, str(tmp / "r.pt")],
-                            cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run([*torchrun(2), WORKER, str(tmp / "r.pt")], tmp)
     return torch.load(tmp / "r.pt")
 
 
