@@ -217,7 +217,12 @@ class Checkpointer:
             state[f"rank{self.rank}"] = b""
         self._load(path, state)
         set_model_state_dict(self.model, state["model"])
+        # How the step runs (foreach or not) is this process's choice, for its device and layout; the checkpoint's
+        # groups carry the flag of the run that saved it.
+        foreach = [group.get("foreach") for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        for group, flag in zip(self.optimizer.param_groups, foreach):
+            group["foreach"] = flag
         self.lr_scheduler.load_state_dict(train["lr_scheduler"])
         if train["dataloader"] is not None:
             self.dataloader.load_state_dict(train["dataloader"])

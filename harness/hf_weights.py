@@ -70,6 +70,8 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
             full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
         if isinstance(param, DTensor):  # rank 0's tensor, scattered: each rank receives its own shard
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local()
+        elif dist.is_initialized() and dist.get_world_size() > 1:  # whole on every rank (replicated_params.py)
+            dist.broadcast(full, src=0)
         local.copy_(full)
     logger.info("initialised weights from HF checkpoint %s", path)
 

@@ -1,5 +1,5 @@
 """The optimizer of a run (AdamW or Adam) with its parameter groups: on CUDA our FastAdam (one Triton kernel per
-parameter, torch's math and state), elsewhere torch's foreach implementation."""
+parameter, torch's math and state), elsewhere torch's own (its single-tensor step on CPU)."""
 
 from __future__ import annotations
 
@@ -22,4 +22,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
                         decoupled_weight_decay=cfg.name == "AdamW",
                         weight_copies=getattr(model, "weight_copies", None))  # one GPU: kept bf16 copies
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    # foreach=None, torch's default: its single-tensor step on CPU (the same math). The foreach step cannot take
+    # plain tensors next to DTensors in one call, and under FSDP the GDN layers' fp32 parameters are plain
+    # (parallel/replicated_params.py). None rather than False: a checkpoint stores the flag, and its step then
+    # follows whichever device resumes it.
+    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=None)

@@ -55,9 +55,10 @@ def _saved_ops() -> set:
 
 
 def _ignore_profiler_ops_in_selective_checkpointing() -> None:
-    """FSDP2's hooks of the fp32 units nested in a block run inside its checkpointed region and open profiler
-    ranges (`record_function`) a different number of times in the forward and in the recompute; selective
-    checkpointing matches every op's calls between the two, so it must not count these (they compute nothing)."""
+    """FSDP2's hooks of the units nested in a block (the first block's experts, EP's experts) run inside its
+    checkpointed region and open profiler ranges (`record_function`) a different number of times in the forward
+    and in the recompute; selective checkpointing matches every op's calls between the two, so it must not count
+    these (they compute nothing)."""
     from torch.utils import checkpoint as checkpoint_module
 
     if not hasattr(checkpoint_module, "SAC_IGNORED_OPS"):  # a torch whose SAC does not match recomputed ops' calls

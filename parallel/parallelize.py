@@ -21,6 +21,7 @@ from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 from .activation_checkpointing import apply_activation_checkpointing
 from .context_parallel import CPContext
 from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
+from .replicated_params import ReplicatedParams
 from .vocab_parallel import apply_vocab_parallel
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,10 @@ def apply_compile(model: nn.Module) -> None:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
                vocab_parallel: bool = False) -> None:
-    """FSDP2 units: each decoder block, each GDN layer's fp32 modules, the first block's routed experts, the
-    embedding, the lm_head, and the root (the final norm). With `vocab_parallel` the embedding and the lm_head are
-    not FSDP's: their weights stay sharded by rows over the same mesh and the tokens travel instead
-    (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every unit's gathered weights from its forward
+    """FSDP2 units: each decoder block, the first block's routed experts, the embedding, the lm_head, and the root
+    (the final norm); each GDN layer's fp32 parameters are whole on every rank instead (below). With
+    `vocab_parallel` the embedding and the lm_head are not FSDP's: their weights stay sharded by rows over the same
+    mesh and the tokens travel instead (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every unit's gathered weights from its forward
     to its backward; True (the default) frees them, except where the backward comes at once or needs no weights:
 
     - The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
@@ -79,7 +80,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     - The first block's routed experts (most of its weights) are a unit of their own, gathered while its attention
       computes. The first block's gradients are the step's last reduction, which nothing can hide: the optimizer
       waits for it. Split, the experts' share is reduced while the block's attention runs backward, leaving only
-      the rest (a sixth at 35B-A3B widths and 64 experts) exposed.
+      the rest (a sixth at 35B-A3B widths and 64 experts) exposed. The unit's hooks break the graph of every
+      block's compiled MoE (dynamo compiles the block's code once, for the first block, and the others reuse it:
+      3 graphs where one GPU runs 1); one unit per block was still slower (2 x H200, 2026-11-27: 76.6k and 80.5k
+      tokens/s per GPU against 79.9k and 81.2k).
     - Each forward gathers ahead: the root the first block (and the embedding, if a unit) as the step starts, each
       block the next one (the last, the lm_head) as it starts. Left to FSDP, a block was gathered only once the
       host had queued the previous block's work, which under compile's graph breaks comes late: a profiled
@@ -93,31 +97,28 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     only copy them (cast, gather, split, and their gradients' concatenation) several times a step. They are cast
     where they are used instead (models/qwen35_moe/linear.py) and their gradients need no reduction.
 
-    The fp32 contract (docs/design.md): each GDN layer's SSMGate (`linear_attn._fp32_params`) and output norm
-    (`linear_attn.norm`) form one unit with an fp32 policy, so A_log, dt_bias and the norm weight are all-gathered,
-    used and given gradients in fp32 even when the rest of the block computes in bf16. Their inputs are not cast
-    (they upcast internally and return the caller's dtype). The unit (~200 values) is gathered along with its block
-    and kept gathered until its backward: as two units gathered where they were used, they were collectives in
-    the middle of the block's forward and backward, each a point where both ranks' compute waited on the other.
+    The fp32 contract (docs/design.md): each GDN layer's fp32 parameters (SSMGate's A_log and dt_bias, the output
+    norm's weight; ~200 values) are left out of FSDP and kept whole on every rank, in fp32, their gradients
+    averaged over the mesh by one all-reduce when the backward ends (parallel/replicated_params.py). As a unit of
+    their own with an fp32 policy they cost each GDN layer an all-gather, a reduce-scatter and four FSDP hooks a
+    step: a quarter of FSDP's host time in a profiled FSDP=2 step.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # The root and the lm_head take no floating input that needs a cast (ids, the layout's integers, and hidden
     # states already in the compute dtype), and one that must not be cast: the loss's fp32 gradient scale.
     mp_uncast = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    # No cast: these units all-gather, compute and reduce in their parameters' own dtype, fp32 by contract.
-    fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, cast_forward_inputs=False)
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
     layers = list(model.layers.values())
     prefetches = []  # per block, what its forward gathers ahead: its nested units, then the next block
+    replicated = []  # the GDN layers' fp32 modules, their parameters whole on every rank
     for index, layer in enumerate(layers):
         ignored, prefetch = set(), []
         keep = not reshard_after_forward or index == len(layers) - 1
-        fp32_modules = [module for module in layer.modules() if isinstance(module, Fp32ParamsModule)]
-        if fp32_modules:
-            fully_shard(fp32_modules, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
-            prefetch.append(fp32_modules[0])  # one member names the whole group: they share one FSDP state
         for module in layer.modules():
-            if isinstance(module, RoutedExperts) and unsharded_experts:
+            if isinstance(module, Fp32ParamsModule):
+                ignored.update(module.parameters())
+                replicated.append(module)
+            elif isinstance(module, RoutedExperts) and unsharded_experts:
                 ignored.update(module.parameters())
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
@@ -135,6 +136,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=reshard_after_forward,
                 ignored_params=set(vocab_params) or None)
+    model.replicated_params = ReplicatedParams(model, replicated, mesh) if replicated else None
     first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
     model.set_modules_to_forward_prefetch([*first, layers[0]])
     after_last = [model.lm_head] if isinstance(model.lm_head, FSDPModule) else []

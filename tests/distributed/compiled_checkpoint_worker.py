@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from models.qwen35_moe import Qwen35MoeModel, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe
@@ -30,8 +31,13 @@ def step(mesh, ids: torch.Tensor, ac_mode: str, compile: bool) -> dict:
         out = model(ids)
         loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
         loss.backward()
-    return {"loss": loss.detach(), "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+    return {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in model.named_parameters()},
             "traced": [getattr(layer, "moe_half_traced", None) for layer in model.layers.values()]}
+
+
+def full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient whole: FSDP's DTensors gathered; the GDN layers' fp32 parameters are whole on every rank."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def main(out_path: str) -> None:

@@ -1,6 +1,7 @@
 """Worker for test_fsdp: a validation pass, then the trainer's first optimizer step of the debug model on the
 real data pipeline, with the MoE balance loss on, then logits without labels. Rank 0 saves the initial weights, the
-validation loss, the step's losses and grad norm, the full gradients and (without CP) its first row's logits.
+validation loss, the step's losses and grad norm, the full gradients, (without CP) its first row's logits, and how
+far apart the ranks' copies of the parameters FSDP leaves whole are.
 Run as one plain process or under torchrun (gloo); extra arguments are config overrides, after an optional
 `--skewed-routing` (see `skewed_router`) or `--one-row-microbatches` (the step accumulates over one-row
 micro-batches)."""
@@ -10,6 +11,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness.config import load_config
@@ -50,6 +52,18 @@ def skewed_router(self, x):
     return probs, weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+def replica_spread(model) -> float | None:
+    """The largest difference between ranks in the parameters FSDP leaves whole on every rank (the GDN layers'
+    fp32 ones) and in their gradients, if any; None without FSDP."""
+    replicated = getattr(model, "replicated_params", None)
+    if replicated is None:
+        return None
+    mine = torch.cat([t.detach().reshape(-1) for p in replicated.params for t in (p, p.grad) if t is not None])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return max((other - every[0]).abs().max().item() for other in every)
+
+
 def main(out_path: str, *overrides: str) -> None:
     if overrides and overrides[0] == "--skewed-routing":
         TopKRouter.forward, overrides = skewed_router, overrides[1:]
@@ -83,13 +97,15 @@ def main(out_path: str, *overrides: str) -> None:
     split = [{key: value[i:i + 1] for key, value in batch.items()} for i in range(rows)]
     out = trainer.train_step(split if one_row_microbatches else [batch])
     grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
+    spread = replica_spread(trainer.model)
     logits = None
     if cp == 1:  # the forward without labels (evaluation): logits of this rank's first row, with the stepped weights
         with torch.no_grad():
             logits = trainer.model(batch["input_ids"][:1, :16].to(trainer.device)).logits
     if trainer.rank == 0:
         torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation,
-                    "vocab_parallel": trainer.model.embed_tokens._vocab_parallel is not None, "logits": logits},
+                    "vocab_parallel": trainer.model.embed_tokens._vocab_parallel is not None, "logits": logits,
+                    "replica_spread": spread},
                    out_path)
     trainer.close()
 

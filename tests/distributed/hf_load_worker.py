@@ -1,5 +1,6 @@
 """Worker for test_hf_load: build the debug model through the trainer with checkpoint.initial_load_hf (rank 0
-reads, every rank keeps its shard) and save the full weights from rank 0. Extra arguments are config overrides."""
+reads, every rank keeps its shard) and save the full weights from rank 0, and how far apart the ranks' copies of
+the parameters FSDP leaves whole are. Extra arguments are config overrides."""
 
 import gc
 import os
@@ -9,6 +10,7 @@ import torch
 
 from harness.config import load_config
 from harness.trainer import Trainer
+from tests.distributed.fsdp_step_worker import replica_spread
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,8 +27,9 @@ def main(out_path: str, hf_folder: str, *overrides: str) -> None:
     weights = {}
     for name, p in trainer.model.state_dict().items():
         weights[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    spread = replica_spread(trainer.model)
     if trainer.rank == 0:
-        torch.save(weights, out_path)
+        torch.save({"weights": weights, "replica_spread": spread}, out_path)
     trainer.close()
 
 

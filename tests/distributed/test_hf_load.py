@@ -57,7 +57,9 @@ def test_two_ranks_load_exactly_the_checkpoints_weights(tmp_path, layout, overri
                              "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", WORKER, str(tmp_path / "w.pt"),
                              str(folder), *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    loaded, want = torch.load(tmp_path / "w.pt"), source.state_dict()
+    saved, want = torch.load(tmp_path / "w.pt"), source.state_dict()
+    loaded = saved["weights"]
     assert loaded.keys() == want.keys()
+    assert saved["replica_spread"] == 0.0  # the parameters whole on every rank, the same on each (rank 1 too)
     for key, value in want.items():
         assert torch.equal(loaded[key], value), key

@@ -27,10 +27,22 @@ def _loss_and_grads(model, ids, positions):
 
 
 def _assert_sharded_grads_match(sharded, plain):
-    """Every parameter's gradient of an FSDP model (DTensors) against the same model run whole, in fp32."""
+    """Every parameter's gradient of an FSDP model (DTensors; the GDN layers' fp32 parameters whole, plain tensors)
+    against the same model run whole, in fp32."""
+    from torch.distributed.tensor import DTensor
+
     plain_params = dict(plain.named_parameters())
     for name, param in sharded.named_parameters():
-        torch.testing.assert_close(param.grad.full_tensor(), plain_params[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        torch.testing.assert_close(grad, plain_params[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _fp32_param_names(model) -> set[str]:
+    """The GDN layers' fp32 parameters (docs/design.md, fp32 contract), which FSDP leaves whole on every rank."""
+    from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
+
+    return {f"{name}.{pname}" for name, module in model.named_modules() if isinstance(module, Fp32ParamsModule)
+            for pname, _ in module.named_parameters()}
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -109,7 +121,8 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
         model(ids, positions)
     assert sharded() == reshard
     reshard_fsdp(model)
-    assert all(isinstance(value, DTensor) for value in model.state_dict().values())
+    whole = _fp32_param_names(model)
+    assert whole and all(isinstance(value, DTensor) != (key in whole) for key, value in model.state_dict().items())
     ref = F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
@@ -119,9 +132,9 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
 def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the_embedding(one_rank_mesh):
     """apply_fsdp's units, seen from which weights are gathered (plain tensors) or sharded (DTensors) when:
     after forward the last block and the lm_head stay gathered (their backward comes first), the other blocks
-    (the first one's experts a unit of their own) and the embedding are resharded, and each GDN layer's fp32
-    modules (one unit) stay gathered; in backward the embedding is never gathered (its lookup's backward needs
-    only the ids), yet its gradient is the plain model's; after backward everything is sharded again."""
+    (the first one's experts a unit of their own) and the embedding are resharded; in backward the embedding is
+    never gathered (its lookup's backward needs only the ids), yet its gradient is the plain model's; after
+    backward everything is sharded again, except each GDN layer's fp32 parameters, which FSDP never shards."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -145,7 +158,7 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
     assert not any(gathered(block.input_layernorm.weight) for block in blocks)
     assert not gathered(model.embed_tokens.weight)
     gdn = [layer.linear_attn for layer in model.layers.values() if hasattr(layer, "linear_attn")]
-    assert gdn and all(gathered(m._fp32_params.A_log) and gathered(m.norm.weight) for m in gdn)
+    assert gdn and all(gathered(m._fp32_params.A_log) and gathered(m.norm.weight) for m in gdn)  # never sharded
     # The first block's experts are a unit of their own (their reduction overlaps that block's attention backward),
     # resharded with it; the other blocks' experts are part of their block's unit.
     experts = [layer.mlp.experts for layer in model.layers.values()]
@@ -155,7 +168,8 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     loss.backward()
     assert embedding_in_backward == [False]
-    assert all(isinstance(param, DTensor) for param in model.parameters())
+    whole = _fp32_param_names(model)
+    assert all(isinstance(param, DTensor) != (name in whole) for name, param in model.named_parameters())
     F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
     _assert_sharded_grads_match(model, plain)
 
