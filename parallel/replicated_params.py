@@ -39,6 +39,7 @@ class ReplicatedParams:
     def _hook_params(self, *_) -> None:
         """Hook the parameters the forward is about to use: materialising a model built on the meta device
         (`to_empty`) replaces its parameter objects, and with them any hook registered before."""
+        self._queued = False  # a backward that raised never ran its callback
         for param in self.params:
             if not getattr(param, "_averaged_over_replicas", False):
                 param.register_post_accumulate_grad_hook(self._queue)
