@@ -1,28 +1,23 @@
 """The token cache built by 2 CPU ranks (gloo): shared work, the same bytes as one process, errors on every rank."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import harness.data
 from harness.data import build_dataloader
 from harness.data_sources import source_units
 from harness.tokenizer import ByteTokenizer
+from tests.distributed.launch import REPO, launch, torchrun
 from tests.unit.test_data import expected_rows, random_documents, write_jsonl
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "distributed" / "data_ranks_worker.py")
 UNIT_BYTES = 200  # about 7 lines of the test file: 20-odd units
 
 
 def run_two_ranks(tmp_path: Path, dataset: Path, cache_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=localhost:0", WORKER, str(dataset), str(cache_dir), str(tmp_path), str(UNIT_BYTES)]
-    # A rank left waiting at a collective would hang for gloo's 30 minutes: the timeout turns that into a failure.
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return launch([*torchrun(2), WORKER, str(dataset), str(cache_dir), str(tmp_path), str(UNIT_BYTES)], tmp_path,
+                  timeout=120)
 
 
 def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units(tmp_path, monkeypatch):

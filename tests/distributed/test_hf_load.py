@@ -2,19 +2,14 @@
 weights fused one tensor at a time) and scatters it; every rank ends with exactly the checkpoint's weights, for
 the text-only fused layout and the multimodal per-expert one, also into experts split over the ranks (EP=2)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from models.qwen35_moe import Qwen35MoeStateDictAdapter, get_flavor, save_hf_checkpoint
 from tests.builders import initialized_model
+from tests.distributed.launch import REPO, run, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "distributed" / "hf_load_worker.py")
 
 
@@ -52,11 +47,7 @@ def test_two_ranks_load_exactly_the_checkpoints_weights(tmp_path, layout, overri
             f.unlink()
         save_file(multimodal_per_expert(hf), str(folder / "model.safetensors"))
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", WORKER, str(tmp_path / "w.pt"),
-                             str(folder), *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run([*torchrun(2), WORKER, str(tmp_path / "w.pt"), str(folder), *overrides], tmp_path)
     saved, want = torch.load(tmp_path / "w.pt"), source.state_dict()
     loaded = saved["weights"]
     assert loaded.keys() == want.keys()
