@@ -65,7 +65,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
                vocab_parallel: bool = False) -> None:
     """FSDP2 units: each decoder block, the first block's routed experts, the embedding, the lm_head, and the root
-    (the final norm); each GDN layer's fp32 parameters are whole on every rank instead (below). With
+    (tied embeddings' one matrix, if any); each GDN layer's fp32 parameters and the final norm's weight are whole
+    on every rank instead (below). With
     `vocab_parallel` the embedding and the lm_head are not FSDP's: their weights stay sharded by rows over the same
     mesh and the tokens travel instead (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every
     unit's gathered weights from its forward to its backward; True (the default) frees them, except where the
@@ -102,7 +103,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     norm's weight; ~200 values) are left out of FSDP and kept whole on every rank, in fp32, their gradients
     averaged over the mesh by one all-reduce when the backward ends (parallel/replicated_params.py). As a unit of
     their own with an fp32 policy they cost each GDN layer an all-gather, a reduce-scatter and four FSDP hooks a
-    step: a quarter of FSDP's host time in a profiled FSDP=2 step.
+    step: a quarter of FSDP's host time in a profiled FSDP=2 step. The final norm's weight (hidden size values, cast
+    where it is used as FSDP would cast it, models/qwen35_moe/norms.py) is whole on every rank too: as the root's
+    only parameter it cost an all-gather that opened every step, a point where the ranks wait for each other, and
+    a reduction that closed it, behind everything else.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # The root and the lm_head take no floating input that needs a cast (ids, the layout's integers, and hidden
@@ -111,7 +115,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
     layers = list(model.layers.values())
     prefetches = []  # per block, what its forward gathers ahead: its nested units, then the next block
-    replicated = []  # the GDN layers' fp32 modules, their parameters whole on every rank
+    replicated = []  # modules whose parameters are whole on every rank: the GDN layers' fp32 ones, the final norm
     for index, layer in enumerate(layers):
         ignored, prefetch = set(), []
         keep = not reshard_after_forward or index == len(layers) - 1
@@ -135,9 +139,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         model.embed_tokens.set_unshard_in_backward(False)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=False)
+    replicated.append(model.norm)
     fully_shard(model, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=reshard_after_forward,
-                ignored_params=set(vocab_params) or None)
-    model.replicated_params = ReplicatedParams(model, replicated, mesh) if replicated else None
+                ignored_params={*vocab_params, *model.norm.parameters()})
+    model.replicated_params = ReplicatedParams(model, replicated, mesh)
     first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
     model.set_modules_to_forward_prefetch([*first, layers[0]])
     after_last = [model.lm_head] if isinstance(model.lm_head, FSDPModule) else []

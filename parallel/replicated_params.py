@@ -1,5 +1,6 @@
 """Parameters kept whole on every rank of the FSDP mesh rather than sharded: each Gated DeltaNet layer's fp32
-parameters (the SSM gate's A_log and dt_bias, the gated norm's weight; docs/design.md, fp32 contract).
+parameters (the SSM gate's A_log and dt_bias, the gated norm's weight; docs/design.md, fp32 contract), and the
+final norm's weight (parallel/parallelize.py, apply_fsdp).
 
 They are ~200 values per layer. As an FSDP unit of their own (an fp32 policy, since the blocks' bf16 policy would
 round them) they cost, per layer and step, an all-gather, a reduce-scatter and FSDP's hooks on the host: in a

@@ -37,12 +37,13 @@ def _assert_sharded_grads_match(sharded, plain):
         torch.testing.assert_close(grad, plain_params[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def _fp32_param_names(model) -> set[str]:
-    """The GDN layers' fp32 parameters (docs/design.md, fp32 contract), which FSDP leaves whole on every rank."""
+def _whole_param_names(model) -> set[str]:
+    """What FSDP leaves whole on every rank: the GDN layers' fp32 parameters (docs/design.md, fp32 contract) and
+    the final norm's weight."""
     from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
 
-    return {f"{name}.{pname}" for name, module in model.named_modules() if isinstance(module, Fp32ParamsModule)
-            for pname, _ in module.named_parameters()}
+    return {"norm.weight", *(f"{name}.{pname}" for name, module in model.named_modules()
+                             if isinstance(module, Fp32ParamsModule) for pname, _ in module.named_parameters())}
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -121,7 +122,7 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
         model(ids, positions)
     assert sharded() == reshard
     reshard_fsdp(model)
-    whole = _fp32_param_names(model)
+    whole = _whole_param_names(model)
     assert whole and all(isinstance(value, DTensor) != (key in whole) for key, value in model.state_dict().items())
     ref = F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     ref.backward()
@@ -134,7 +135,8 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
     after forward the last block and the lm_head stay gathered (their backward comes first), the other blocks
     (the first one's experts a unit of their own) and the embedding are resharded; in backward the embedding is
     never gathered (its lookup's backward needs only the ids), yet its gradient is the plain model's; after
-    backward everything is sharded again, except each GDN layer's fp32 parameters, which FSDP never shards."""
+    backward everything is sharded again, except each GDN layer's fp32 parameters and the final norm's weight,
+    which FSDP never shards."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -168,7 +170,7 @@ def test_fsdp_units_keep_gathered_what_backward_needs_first_and_never_gather_the
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten())
     loss.backward()
     assert embedding_in_backward == [False]
-    whole = _fp32_param_names(model)
+    whole = _whole_param_names(model)
     assert all(isinstance(param, DTensor) != (name in whole) for name, param in model.named_parameters())
     F.cross_entropy(plain(ids, positions).logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
     _assert_sharded_grads_match(model, plain)
