@@ -46,7 +46,7 @@ LAYOUTS = {  # name: (processes, config overrides)
     "hsdp2": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
     "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2"]),
-    # op-level activation checkpointing with FSDP's fp32 units nested in each block, and under CP
+    # op-level activation checkpointing with an FSDP unit nested in a block (the first block's experts), under CP
     "cp2_selective_ac": (2, ["--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]),
     # gathered weights kept from forward to backward, also through full AC's recompute
     "fsdp2_no_reshard": (2, ["--parallelism.fsdp_reshard_after_forward", "never", "--activation_checkpoint.mode", "full"]),
