@@ -12,7 +12,8 @@ The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 com
   gathers only its E / ep local experts;
 - activations: per token on this GPU, WORKING_BYTES for the block being recomputed (full AC) and the saved
   inputs, 2 B x hidden each: compiled, full AC checkpoints each block in two halves (two inputs a block,
-  parallel/activation_checkpointing.py; eager, one: the model then over-predicts by 2 B x hidden a block); without AC, LAYER_BYTES for every block, plus, counted not fitted (the
+  parallel/activation_checkpointing.py; eager, one: the model then over-predicts by 2 B x hidden a block);
+  without AC, LAYER_BYTES for every block, plus, counted not fitted (the
   fitted peaks were measured before bdecd26), the chunk states FLA's function keeps for its backward
   (models/qwen35_moe/fla_saved_states.py) in every Gated DeltaNet layer. (With full AC only the recomputed block
   holds them, as FLA's backward held the same tensors when it recomputed them: not counted.)

@@ -55,7 +55,7 @@ def _barrier() -> None:
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     """Set the model's weights (sharded or not) from an HF checkpoint folder, one tensor at a time."""
-    rank, _ = _rank_world()
+    rank, world = _rank_world()
     adapter = Qwen35MoeStateDictAdapter(args)
     reader = HFCheckpointReader(path)
     plan = adapter.plan_from_hf(reader.keys())
@@ -70,7 +70,7 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
             full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
         if isinstance(param, DTensor):  # rank 0's tensor, scattered: each rank receives its own shard
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local()
-        elif dist.is_initialized() and dist.get_world_size() > 1:  # whole on every rank (replicated_params.py)
+        elif world > 1:  # whole on every rank (parallel/replicated_params.py)
             dist.broadcast(full, src=0)
         local.copy_(full)
     logger.info("initialised weights from HF checkpoint %s", path)

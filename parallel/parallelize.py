@@ -66,9 +66,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                vocab_parallel: bool = False) -> None:
     """FSDP2 units: each decoder block, the first block's routed experts, the embedding, the lm_head, and the root
     (tied embeddings' one matrix, if any); each GDN layer's fp32 parameters and the final norm's weight are whole
-    on every rank instead (below). With
-    `vocab_parallel` the embedding and the lm_head are not FSDP's: their weights stay sharded by rows over the same
-    mesh and the tokens travel instead (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every
+    on every rank instead (below). With `vocab_parallel` the embedding and the lm_head are not FSDP's: their
+    weights stay sharded by rows over the same mesh and the tokens travel instead (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every
     unit's gathered weights from its forward to its backward; True (the default) frees them, except where the
     backward comes at once or needs no weights:
 

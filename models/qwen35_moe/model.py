@@ -68,22 +68,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layout: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (B, S, D) -> h (B, S, D), this layer's expert counts (E,) and router probability sums (E,)."""
-        # moe_half(mixer_half(h)), spelled out: each function that a graph break (FLA's call; on CPU and under EP
-        # also the experts') passes through becomes frames that dynamo compiles separately.
+        # The mixer with its residual, then moe_half, spelled out: each function that a graph break (FLA's call; on
+        # CPU and under EP also the experts') passes through becomes frames that dynamo compiles separately.
         h = h + self.mixer(self.input_layernorm(h), layout)
         moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
         return h + moe_out, counts, prob_sums
 
-    # The halves, and the mixer's output projection, are separate methods so that activation checkpointing can
-    # treat them differently (parallel/activation_checkpointing.py). They call the mixer's `core` and `project`
-    # directly: hooks on the mixer module itself do not run there.
+    # The mixer half's core (its output projection apart) and the MoE half are separate methods so that activation
+    # checkpointing can treat them differently (parallel/activation_checkpointing.py). The mixer's `core` and
+    # `project` are called directly there: hooks on the mixer module itself do not run.
     @property
     def mixer(self) -> nn.Module:
         return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
-
-    def mixer_half(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """The token mixer with its residual: h + mixer(norm(h))."""
-        return h + self.mixer.project(self.mixer_core(h, layout))
 
     def mixer_core(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """The token mixer of norm(h) up to its output projection."""
