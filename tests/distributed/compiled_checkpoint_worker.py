@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from models.qwen35_moe import Qwen35MoeModel, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import experts_in_one_graph
+from tests.distributed.fsdp_step_worker import full
 
 
 def step(mesh, ids: torch.Tensor, ac_mode: str, compile: bool) -> dict:
@@ -33,11 +33,6 @@ def step(mesh, ids: torch.Tensor, ac_mode: str, compile: bool) -> dict:
         loss.backward()
     return {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in model.named_parameters()},
             "traced": [getattr(layer, "moe_half_traced", None) for layer in model.layers.values()]}
-
-
-def full(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient whole: FSDP's DTensors gathered; the GDN layers' fp32 parameters are whole on every rank."""
-    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def main(out_path: str) -> None:

@@ -54,7 +54,7 @@ def skewed_router(self, x):
 
 def replica_spread(model) -> float | None:
     """The largest difference between ranks in the parameters FSDP leaves whole on every rank (the GDN layers'
-    fp32 ones) and in their gradients, if any; None without FSDP."""
+    fp32 ones, the final norm's weight) and in their gradients, if any; None without FSDP."""
     replicated = getattr(model, "replicated_params", None)
     if replicated is None:
         return None

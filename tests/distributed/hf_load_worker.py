@@ -10,7 +10,7 @@ import torch
 
 from harness.config import load_config
 from harness.trainer import Trainer
-from tests.distributed.fsdp_step_worker import replica_spread
+from tests.distributed.fsdp_step_worker import full, replica_spread
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,9 +24,7 @@ def main(out_path: str, hf_folder: str, *overrides: str) -> None:
         "--checkpoint.initial_load_hf", hf_folder, *overrides,
     ])
     trainer = Trainer(cfg)
-    weights = {}
-    for name, p in trainer.model.state_dict().items():
-        weights[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    weights = {name: full(p) for name, p in trainer.model.state_dict().items()}
     spread = replica_spread(trainer.model)
     if trainer.rank == 0:
         torch.save({"weights": weights, "replica_spread": spread}, out_path)

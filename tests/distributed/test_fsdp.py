@@ -118,7 +118,7 @@ def assert_same_step(got: dict, ref: dict) -> None:
         assert got["out"][key] == pytest.approx(ref["out"][key], rel=1e-5), key
     assert ref["out"]["aux_loss"] > 1.0  # the balance loss was on (a uniform router gives top_k = 2)
     assert_same_grads(got, ref)
-    # The GDN layers' fp32 parameters, whole on every rank (parallel/replicated_params.py): after the step every
+    # The parameters FSDP leaves whole on every rank (parallel/replicated_params.py): after the step every
     # rank's copy and gradient are bitwise the same (averaged gradients, the same update).
     assert ref["replica_spread"] is None and got["replica_spread"] == 0.0
 
