@@ -27,15 +27,13 @@ BACKWARD = "autograd::engine::evaluate_function"
 
 
 def host_step(events: list[dict], path: str) -> tuple[dict, dict | None]:
-    """(the traced step's host range, the same step's range on the GPU if the trace has one): the longest."""
-    def longest(category: str) -> dict | None:
-        steps = [e for e in events if e.get("cat") == category and e.get("name", "").startswith("ProfilerStep")]
-        return max(steps, key=lambda e: e["dur"]) if steps else None
-
-    step = longest("user_annotation")
-    if step is None:
+    """(the traced step's host range, the longest; the same step's range on the GPU, if the trace has it)."""
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith("ProfilerStep")]
+    if not steps:
         raise SystemExit(f"{path}: no ProfilerStep range (a trace from the trainer's profiler has one)")
-    return step, longest("gpu_user_annotation")
+    step = max(steps, key=lambda e: e["dur"])
+    on_gpu = [e for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name") == step["name"]]
+    return step, on_gpu[0] if on_gpu else None
 
 
 def exclusive_times(ops: list[dict]) -> dict[int, float]:

@@ -178,7 +178,7 @@ def test_trace_host_splits_the_steps_host_time_and_names_waits_hooks_and_exclusi
     split at the first and last backward op (on the autograd thread, 2); the wait in a gloo collective and the
     sync after the step; FSDP's outermost hooks only (the all-gather nested in pre_forward is not counted twice);
     exclusive times with children taken out (chunk_cat's 4 ms less its 0.5 ms allocation); an op after the step
-    is not the step's."""
+    is not the step's, nor is the GPU's range of the step before."""
     import subprocess
     import sys
 
@@ -187,6 +187,7 @@ def test_trace_host_splits_the_steps_host_time_and_names_waits_hooks_and_exclusi
 
     events = [
         op("ProfilerStep#6", 0, 100, cat="user_annotation"), op("ProfilerStep#6", 20, 90, 7, "gpu_user_annotation"),
+        op("ProfilerStep#5", -95, 95, 7, "gpu_user_annotation"),  # the step before, on the GPU: not this one
         op("gloo:all_reduce", 1, 5),
         op("FSDP::pre_forward (layers.0)", 10, 3, cat="user_annotation"),
         op("FSDP::all_gather (layers.0)", 10.5, 1, cat="user_annotation"),
