@@ -25,6 +25,14 @@ def test_traces_land_on_the_training_steps_that_are_multiples_of_profile_freq(tm
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::mm" in names or "aten::addmm" in names  # the model's matmuls were recorded
     assert "profiled step 6" in log and "Self CPU" in log  # the op table
+    # The host-side reader finds the trainer's step range, its backward and optimizer, with today's profiler names.
+    import subprocess
+    import sys
+
+    host = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_host.py"),
+                           str(traces / "iteration_6" / "rank0_trace.json")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "up to the backward" in host and "(optimizer.step " in host and "(optimizer.step 0.0 ms)" not in host
 
     # Resumed at step 4 (the last step of a 4-step run), the next traced step is still 6.
     resumed = tmp_path / "resumed"
