@@ -35,7 +35,7 @@ def _gaps(kernels: list[dict]) -> tuple[float, float, list[tuple[float, dict]]]:
     return busy, end - kernels[0]["ts"], gaps
 
 
-def _parents(ops: list[dict]) -> dict[int, dict | None]:
+def parents(ops: list[dict]) -> dict[int, dict | None]:
     """Each host op's enclosing op on its thread (by time nesting)."""
     parent = {}
     threads = collections.defaultdict(list)
@@ -86,7 +86,7 @@ def main() -> None:
           f"in {len(gaps)} gaps")
     ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function", "cuda_runtime")
            and "dur" in e]
-    parent = _parents(ops)
+    parent = parents(ops)
     launches = {e["args"]["correlation"]: e for e in ops
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     by_size, by_outer, by_inner = collections.Counter(), collections.Counter(), collections.Counter()

@@ -20,6 +20,7 @@ import collections
 import re
 
 from trace_breakdown import load_events
+from trace_gaps import parents
 
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
 SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
@@ -37,26 +38,18 @@ def host_step(events: list[dict], path: str) -> tuple[dict, dict | None]:
 
 
 def exclusive_times(ops: list[dict]) -> dict[int, float]:
-    """id(op) -> its duration less its direct children's, nesting by time on each thread."""
-    own, stack = {}, []
-    for op in sorted(ops, key=lambda e: (e["tid"], e["ts"], -e["dur"])):
-        while stack and (stack[-1]["tid"] != op["tid"] or op["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]):
-            stack.pop()
-        own[id(op)] = op["dur"]
-        if stack:
-            own[id(stack[-1])] -= op["dur"]
-        stack.append(op)
+    """id(op) -> its duration less its direct children's (nesting by time on each thread)."""
+    own, parent = {id(op): op["dur"] for op in ops}, parents(ops)
+    for op in ops:
+        if parent[id(op)] is not None:
+            own[id(parent[id(op)])] -= op["dur"]
     return own
 
 
 def outermost(ops: list[dict]) -> list[dict]:
     """The ops not nested in another of `ops` on their thread."""
-    kept = []
-    for op in sorted(ops, key=lambda e: (e["tid"], e["ts"], -e["dur"])):
-        if kept and kept[-1]["tid"] == op["tid"] and op["ts"] < kept[-1]["ts"] + kept[-1]["dur"]:
-            continue
-        kept.append(op)
-    return kept
+    parent = parents(ops)
+    return [op for op in ops if parent[id(op)] is None]
 
 
 def hook_kind(name: str) -> str:
