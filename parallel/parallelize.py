@@ -67,9 +67,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     """FSDP2 units: each decoder block, the first block's routed experts, the embedding, the lm_head, and the root
     (tied embeddings' one matrix, if any); each GDN layer's fp32 parameters and the final norm's weight are whole
     on every rank instead (below). With `vocab_parallel` the embedding and the lm_head are not FSDP's: their
-    weights stay sharded by rows over the same mesh and the tokens travel instead (parallel/vocab_parallel.py). `reshard_after_forward` False keeps every
-    unit's gathered weights from its forward to its backward; True (the default) frees them, except where the
-    backward comes at once or needs no weights:
+    weights stay sharded by rows over the same mesh and the tokens travel instead (parallel/vocab_parallel.py).
+    `reshard_after_forward` False keeps every unit's gathered weights from its forward to its backward; True (the
+    default) frees them, except where the backward comes at once or needs no weights:
 
     - The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
       in torchtitan. In the root they were gathered before the first block and their gradients reduced after the
