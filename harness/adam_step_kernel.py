@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_adam import fits_kernel_dtypes
+
 
 @triton.jit
 def _adam_step(param, grad, exp_avg, exp_avg_sq, grad_scale, copy, n, lr, beta1, beta2, eps, weight_decay,
@@ -43,12 +45,11 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     """In place on contiguous fp32 CUDA tensors of one shape (the gradient may be bf16 or fp16); `grad_scale` (a
     device scalar) divides the gradient; `copy` (bf16 or fp16, contiguous, the parameter's shape) receives the
     updated parameter rounded."""
-    for t in (param, grad, exp_avg, exp_avg_sq):
-        half_grad = t is grad and t.dtype in (torch.bfloat16, torch.float16)
-        if (t.dtype != torch.float32 and not half_grad) or not t.is_contiguous() or t.shape != param.shape:
-            raise ValueError(f"adam_step_: fp32 (the gradient also bf16/fp16) contiguous tensors of the parameter's "
-                             f"shape {tuple(param.shape)} expected, got {t.dtype} {tuple(t.shape)} "
-                             f"(contiguous: {t.is_contiguous()})")
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if not fits_kernel_dtypes(*tensors) or any(not t.is_contiguous() or t.shape != param.shape for t in tensors):
+        raise ValueError(f"adam_step_: fp32 (the gradient also bf16/fp16) contiguous tensors of the parameter's "
+                         f"shape {tuple(param.shape)} expected, got "
+                         + ", ".join(f"{t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})" for t in tensors))
     if copy is not None and (copy.dtype not in (torch.bfloat16, torch.float16) or not copy.is_contiguous()
                              or copy.shape != param.shape):
         raise ValueError(f"adam_step_: the copy must be a contiguous bf16 or fp16 tensor of shape "

@@ -58,7 +58,7 @@ class FastAdam(torch.optim.Adam):
                 state["step"] += 1
                 step = state["step"].item()
                 tensors = [_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-                on_kernel = all(t.is_cuda and t.is_contiguous() for t in tensors) and _fits_kernel(*tensors)
+                on_kernel = all(t.is_cuda and t.is_contiguous() for t in tensors) and fits_kernel_dtypes(*tensors)
                 hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                              bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
@@ -77,8 +77,9 @@ class FastAdam(torch.optim.Adam):
             self.weight_copies.zero_grad()
 
 
-def _fits_kernel(param, grad, exp_avg, exp_avg_sq) -> bool:
-    """The kernel's dtypes: fp32, the gradient also bf16 or fp16 (a weight copy's)."""
+def fits_kernel_dtypes(param, grad, exp_avg, exp_avg_sq) -> bool:
+    """The kernel's dtypes (adam_step_kernel.py checks its inputs with this too): fp32, the gradient also bf16 or
+    fp16 (a weight copy's)."""
     return (all(t.dtype == torch.float32 for t in (param, exp_avg, exp_avg_sq))
             and grad.dtype in (torch.float32, torch.bfloat16, torch.float16))
 

@@ -113,6 +113,17 @@ def test_fast_adam_resumes_torch_fused_state():
     _assert_near(params, fast, _float64_adam(True, 1.0, steps=3), "resumed")
 
 
+class _CopiedPair(torch.nn.Module):
+    """Two weights, `a` and `b`, with kept copies (models/qwen35_moe/linear.py); `uncopied`, a third without one."""
+    copied_weights = ("a", "b")
+
+    def __init__(self, a, b, uncopied=None):
+        super().__init__()
+        self.a, self.b, self.c = a, b, uncopied
+        self.register_buffer("a_copy", None, persistent=False)
+        self.register_buffer("b_copy", None, persistent=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_adam_writes_the_kept_copies_as_a_cast_of_the_updated_parameters(dtype):
     """The kept copies (models/qwen35_moe/linear.py): after each step the kernel's copy is bitwise the updated fp32
@@ -120,17 +131,8 @@ def test_fast_adam_writes_the_kept_copies_as_a_cast_of_the_updated_parameters(dt
     parameters' version counters do not move, so the model does not recast the copies."""
     from models.qwen35_moe.linear import WeightCopies
 
-    class Holder(torch.nn.Module):
-        copied_weights = ("a", "b")
-
-        def __init__(self, params):
-            super().__init__()
-            self.a, self.b, self.c = params
-            self.register_buffer("a_copy", None, persistent=False)
-            self.register_buffer("b_copy", None, persistent=False)
-
     params, plain = _params(), _params()
-    copies = WeightCopies(Holder([params[1], params[2], params[0]]), dtype)
+    copies = WeightCopies(_CopiedPair(params[1], params[2], uncopied=params[0]), dtype)
     with_copies = FastAdam(_groups(params), lr=LR, betas=BETAS, eps=EPS, weight_copies=copies)
     without = FastAdam(_groups(plain), lr=LR, betas=BETAS, eps=EPS)
     versions = [p._version for p in params]
@@ -152,17 +154,8 @@ def test_fast_adam_reads_half_precision_gradients_as_their_fp32_upcasts(dtype):
     scaled steps leave bitwise the same parameters and moments."""
     from models.qwen35_moe.linear import WeightCopies
 
-    class Holder(torch.nn.Module):
-        copied_weights = ("a", "b")
-
-        def __init__(self, params):
-            super().__init__()
-            self.a, self.b = params
-            self.register_buffer("a_copy", None, persistent=False)
-            self.register_buffer("b_copy", None, persistent=False)
-
     half, full = _params(), _params()
-    copies = WeightCopies(Holder(half[1:]), dtype, grads_in_copies=True)
+    copies = WeightCopies(_CopiedPair(*half[1:]), dtype, grads_in_copies=True)
     optimizers = [FastAdam(_groups(half), lr=LR, betas=BETAS, eps=EPS, weight_copies=copies),
                   FastAdam(_groups(full), lr=LR, betas=BETAS, eps=EPS)]
     for step in range(3):
