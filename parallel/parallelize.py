@@ -6,6 +6,7 @@ parameters)."""
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 from torch import nn
@@ -55,9 +56,23 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str =
     logger.info("expert parallelism: %d ranks, %s dispatch", ep_mesh.size(), " / ".join(sorted(chosen)))
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each decoder block in place (keeps state-dict keys free of an `_orig_mod.` prefix)."""
-    for layer in model.layers.values():
+def apply_compile(model: nn.Module, first_block_own_frames: bool = False) -> None:
+    """torch.compile each decoder block in place (keeps state-dict keys free of an `_orig_mod.` prefix).
+
+    `first_block_own_frames`: the first block runs a copy of the blocks' forward. Under FSDP without expert
+    parallelism its routed experts are an FSDP unit of their own (apply_fsdp), whose hooks break its compiled graph
+    at the MoE call. Dynamo keeps its compiled frames per code object, and its guards skip FSDP-managed modules, so
+    every block reused the first block's frames, break included: the MoE and the residual add after it as two more
+    graphs per block (a profiled FSDP=2 step at 8 layers: 60 compiled-function calls in the forward against one
+    GPU's 40; tests/distributed/test_compiled_frames.py). A copy of the code keeps those frames the first
+    block's own."""
+    layers = list(model.layers.values())
+    if first_block_own_frames:
+        forward = type(layers[0]).forward
+        code_copy = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                       forward.__defaults__, forward.__closure__)
+        layers[0].forward = types.MethodType(code_copy, layers[0])
+    for layer in layers:
         layer.compile(fullgraph=False)
 
 
@@ -182,7 +197,8 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     # no-AC speed, against 15% compiled). Full AC compiles the blocks itself, in two halves
     # (activation_checkpointing.py).
     if compile and ac_mode != "full":
-        apply_compile(model)
+        # apply_fsdp makes the first block's experts a unit of their own where FSDP runs without EP's expert mesh
+        apply_compile(model, first_block_own_frames=mesh is not None and mesh.size() > 1 and expert_fsdp_mesh is None)
     apply_activation_checkpointing(model, ac_mode, compiled=compile)
     if mesh is not None and mesh.size() > 1:
         apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_parallel)
