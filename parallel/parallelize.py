@@ -96,10 +96,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     - The first block's routed experts (most of its weights) are a unit of their own, gathered while its attention
       computes. The first block's gradients are the step's last reduction, which nothing can hide: the optimizer
       waits for it. Split, the experts' share is reduced while the block's attention runs backward, leaving only
-      the rest (a sixth at 35B-A3B widths and 64 experts) exposed. The unit's hooks break the graph of every
-      block's compiled MoE (dynamo compiles the block's code once, for the first block, and the others reuse it:
-      3 graphs where one GPU runs 1); one unit per block was still slower (2 x H200, 2026-11-27: 76.6k and 80.5k
-      tokens/s per GPU against 79.9k and 81.2k).
+      the rest (a sixth at 35B-A3B widths and 64 experts) exposed. The unit's hooks break the first block's
+      compiled MoE (only the first block's: apply_compile gives it its own copy of the forward's code, which
+      parallelize_qwen35_moe asks for wherever this unit exists); no such unit was still slower (2 x H200,
+      2026-11-27: 76.6k and 80.5k tokens/s per GPU against 79.9k and 81.2k; 55.2k against 58.8k at 8 layers).
     - Each forward gathers ahead: the root the first block (and the embedding, if a unit) as the step starts, each
       block the next one (the last, the lm_head) as it starts. Left to FSDP, a block was gathered only once the
       host had queued the previous block's work, which under compile's graph breaks comes late: a profiled
