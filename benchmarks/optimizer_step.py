@@ -1,5 +1,5 @@
-"""The optimizer step alone: FastAdam (harness/fast_adam.py, one Triton kernel per parameter) against torch's fused
-and foreach AdamW, on the fp32 parameters of the benchmark model (35B-A3B widths; 8 layers and 32 experts: 2.1B).
+"""The optimizer step alone: FastAdam (harness/fast_adam.py, one Triton launch per parameter group) against torch's
+fused and foreach AdamW, on the fp32 parameters of the benchmark model (35B-A3B widths; 8 layers and 32 experts: 2.1B).
 
     python benchmarks/optimizer_step.py --layers 8 --experts 32
 

@@ -1,8 +1,9 @@
-"""torch's Adam/AdamW with a CUDA step of one Triton kernel per parameter (adam_step_kernel.py).
+"""torch's Adam/AdamW with a CUDA step of one Triton kernel for all parameters (adam_step_kernel.py).
 
 On an H200, over the 2.1B fp32 parameters of benchmarks/hf_baseline.py's 8-layer model, torch's fused AdamW
-(multi_tensor_apply) took 17.6 ms alone (3.3 TB/s) and 35-41 ms inside a profiled training step; this kernel, one
-plain elementwise pass per parameter, took 14.9 ms alone (3.9 TB/s, benchmarks/optimizer_step.py).
+(multi_tensor_apply) took 17.6-18.2 ms alone (3.3 TB/s) and 35-41 ms inside a profiled training step; this kernel,
+one plain elementwise pass over every parameter in one launch, 15.0-15.3 ms (3.9 TB/s), where a launch per parameter
+took 18.1-23.0 ms on the same machines, bound by the host (benchmarks/optimizer_step.py).
 The math, the state (step, exp_avg, exp_avg_sq) and so the state dict and checkpoints are torch's. `grad_scale`
 (a device scalar every gradient is divided by as it is read, as in torch's fused step) carries the gradient
 clipping without a pass of its own (parallel/grad_norm.py). Tensors the kernel does not take (off CUDA, not fp32,
@@ -43,7 +44,7 @@ class FastAdam(torch.optim.Adam):
         if closure is not None:
             raise ValueError("FastAdam.step: closures are not supported")
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            todo = []  # (parameter, gradient, state)
             for p in group["params"]:
                 grad = p.grad if self.weight_copies is None else self.weight_copies.grad_of(p)
                 if grad is None:
@@ -55,20 +56,37 @@ class FastAdam(torch.optim.Adam):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if state["step"].device.type != "cpu":  # resumed from torch's fused AdamW (step on the GPU): once
                     state["step"] = state["step"].cpu()
-                state["step"] += 1
-                step = state["step"].item()
+                todo.append((p, grad, state))
+            if not todo:
+                continue
+            steps = [state["step"] for _, _, state in todo]
+            torch._foreach_add_(steps, 1)
+            # One launch per batch of kernel tensors that share a step count and the gradients' and copies' dtypes
+            # (one per group in practice): a launch per parameter cost ~60 us of host time each (7-9 ms a step).
+            batches: dict[tuple, list] = {}
+            for (p, grad, state), step in zip(todo, [step.item() for step in steps]):
                 tensors = [_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]
-                on_kernel = all(t.is_cuda and t.is_contiguous() for t in tensors) and fits_kernel_dtypes(*tensors)
-                hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                             bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
-                             grad_scale=self.grad_scale)
-                if on_kernel:
+                if all(t.is_cuda and t.is_contiguous() for t in tensors) and fits_kernel_dtypes(*tensors):
                     copy = None if self.weight_copies is None else self.weight_copies.copy_of(p)
-                    _triton_step()(*tensors, **hyper, copy=copy)
+                    # (an unaligned tensor would make its whole launch unvectorised: it goes in a launch of its own)
+                    aligned = all(t.data_ptr() % 16 == 0 for t in (*tensors, *([copy] if copy is not None else [])))
+                    key = (step, tensors[0].device, tensors[1].dtype, None if copy is None else copy.dtype, aligned)
+                    if key not in batches:
+                        batches[key] = [self._hyper(group, step), [], [], [], [], []]
+                    for column, t in zip(batches[key][1:], (*tensors, copy)):
+                        column.append(t)
                 else:
-                    adam_step_torch_(*tensors, **hyper)
+                    adam_step_torch_(*tensors, **self._hyper(group, step))
+            for hyper, params, grads, exp_avgs, exp_avg_sqs, copies in batches.values():
+                _triton_steps()(params, grads, exp_avgs, exp_avg_sqs, None if copies[0] is None else copies, **hyper)
         return None
+
+    def _hyper(self, group: dict, step: float) -> dict:
+        beta1, beta2 = group["betas"]
+        return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                    bias_correction1=1 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1 - beta2 ** step),
+                    grad_scale=self.grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The parameters' gradients as torch's, and the weight copies' (always to None)."""
@@ -84,10 +102,10 @@ def fits_kernel_dtypes(param, grad, exp_avg, exp_avg_sq) -> bool:
             and grad.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def _triton_step():
-    from .adam_step_kernel import adam_step_  # lazy: Triton needs a GPU, and CPU installs may lack it
+def _triton_steps():
+    from .adam_step_kernel import adam_steps_  # lazy: Triton needs a GPU, and CPU installs may lack it
 
-    return adam_step_
+    return adam_steps_
 
 
 def adam_step_torch_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, decoupled,

@@ -1,5 +1,5 @@
-"""The optimizer of a run (AdamW or Adam) with its parameter groups: on CUDA our FastAdam (one Triton kernel per
-parameter, torch's math and state), elsewhere torch's own (its single-tensor step on CPU)."""
+"""The optimizer of a run (AdamW or Adam) with its parameter groups: on CUDA our FastAdam (one Triton launch per
+parameter group, torch's math and state), elsewhere torch's own (its single-tensor step on CPU)."""
 
 from __future__ import annotations
 

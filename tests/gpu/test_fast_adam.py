@@ -1,4 +1,4 @@
-"""FastAdam's CUDA step (harness/fast_adam.py, one Triton kernel per parameter) against a float64 Adam/AdamW
+"""FastAdam's CUDA step (harness/fast_adam.py, one Triton kernel per parameter group) against a float64 Adam/AdamW
 written out here (torch's fused step on the same inputs printed alongside): three steps, with and without a
 gradient scale (the folded clipping), decay and no-decay groups, sizes that do not fill the kernel's last block;
 and a state that starts as torch's fused optimizer left it (a checkpoint from before FastAdam: its step counts
@@ -170,3 +170,44 @@ def test_fast_adam_reads_half_precision_gradients_as_their_fp32_upcasts(dtype):
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizers[0].state[p][key], optimizers[1].state[q][key])
+
+
+def test_fast_adam_steps_a_group_in_one_launch_as_one_launch_per_parameter():
+    """FastAdam launches one kernel per parameter group (the host cost of a launch per parameter was 7-9 ms a
+    step); that launch leaves bitwise what one launch per parameter leaves (the same arithmetic per value), over
+    sizes that end mid-block, bf16 gradients and kept bf16 copies; vectorised (every address 16-byte aligned) and
+    not (one gradient starts 2 bytes into its buffer, as a shard's gradient may)."""
+    from harness.adam_step_kernel import adam_steps_
+
+    g = torch.Generator().manual_seed(1)
+    shapes = SHAPES + [(4096, 3), (5,)]
+    hyper = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1, decoupled=True,
+                 bias_correction1=1 - BETAS[0] ** 2, bias_correction2_sqrt=math.sqrt(1 - BETAS[1] ** 2),
+                 grad_scale=torch.tensor(2.0, device="cuda"))
+    for unaligned in (False, True):
+        columns = [[torch.randn(s, generator=g).cuda() for s in shapes],
+                   [torch.randn(s, generator=g).cuda().bfloat16() for s in shapes],
+                   [torch.randn(s, generator=g).cuda() for s in shapes],
+                   [torch.rand(s, generator=g).cuda() for s in shapes],
+                   [torch.zeros(s, device="cuda", dtype=torch.bfloat16) for s in shapes]]
+        if unaligned:
+            columns[1][-1] = torch.randn(6, generator=g).cuda().bfloat16()[1:]
+            assert columns[1][-1].data_ptr() % 16 != 0
+        single = [[t.clone() for t in column] for column in columns]
+        kernel = adam_steps_(*columns, **hyper)
+        # 128-bit loads where every address is aligned (the unaligned variant would run 2-4x the instructions)
+        assert ("ld.global.v4" in kernel.asm["ptx"]) == (not unaligned)
+        for i in range(len(shapes)):
+            adam_steps_(*[[column[i]] for column in single], **hyper)
+        for a, b in zip(columns, single):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    params = _params()
+    optimizer = FastAdam(_groups(params), lr=LR, betas=BETAS, eps=EPS)
+    for p, grad in zip(params, _grads(0)):
+        p.grad = grad
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        optimizer.step()
+        torch.cuda.synchronize()
+    launches = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "_adam_steps" in e.name]
+    assert len(launches) == len(optimizer.param_groups)
