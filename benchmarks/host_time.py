@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 _inside = threading.local()  # a timed part already running on this thread: nested parts count in the outer one
 _current: collections.Counter = collections.Counter()  # part -> seconds, in the step being queued
 _steps: list[dict[str, float]] = []
+_starts: list[float] = []  # when each step began queueing: their spacing is the pace of the run
 
 
 def _timed(part: str, fn):
@@ -57,6 +58,7 @@ def _timed_step(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
+        _starts.append(start)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -111,7 +113,11 @@ def report(warmup: int) -> list[str]:
     means = {part: 1e3 * sum(s.get(part, 0.0) for s in steps) / len(steps) for part in {p for s in steps for p in s}}
     step = means.pop("step")
     rank = os.environ.get("RANK", "0")
-    lines = [f"host_time rank {rank}: {len(steps)} steps, queueing a step {step:.1f} ms of host time (mean); parts:"]
+    starts = _starts[warmup:]
+    pace = f", one every {1e3 * (starts[-1] - starts[0]) / (len(starts) - 1):.1f} ms" if len(starts) > 1 else ""
+    # Queueing close to the pace: the host bounds the run. Well below it: the GPU (or another rank) does.
+    lines = [f"host_time rank {rank}: {len(steps)} steps{pace}, queueing a step {step:.1f} ms of host time (mean); "
+             f"parts:"]
     # Within the step the parts never overlap (the main thread waits while the autograd thread runs the backward):
     # what they leave is the compiled regions, the eager ops around them and the kernel launches.
     means["the rest of the step"] = step - sum(ms for part, ms in means.items() if "between steps" not in part)

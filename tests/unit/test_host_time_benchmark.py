@@ -1,5 +1,6 @@
 """benchmarks/host_time.py: timers count each part once (a part called inside another counts in the outer one), per
-step, and the step's rest is what its parts leave; every part it times exists in the installed torch and here."""
+step, the step's rest is what its parts leave, and the pace is the steps' spacing; every part it times exists in the
+installed torch and here."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def test_parts_are_counted_once_per_step_and_the_rest_is_what_they_leave():
     # sleeps last at least as asked, and a loaded CI machine may add a few ms to each
     assert 50 <= ms["outer"] < 65 and 20 <= ms["inner"] < 35 and 10 <= ms["check (between steps)"] < 25
     assert 40 <= ms["the rest of the step"] < 60
+    pace = float(lines[0].split("one every ")[1].split(" ms")[0])  # the step and the part between steps
+    assert 120 <= pace < 160 and pace > total
     assert abs(total - ms["outer"] - ms["inner"] - ms["the rest of the step"]) < 0.1  # (as printed: 1-2 decimals)
 
 
