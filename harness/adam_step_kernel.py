@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_adam import fits_kernel_dtypes
+from .fast_adam import KERNEL_ALIGNMENT, fits_kernel_dtypes
 
 
 @triton.jit
@@ -117,7 +117,8 @@ def adam_steps_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         return None
     table = [t.data_ptr() for t in params] + [t.data_ptr() for t in grads] + [t.data_ptr() for t in exp_avgs]
     table += [t.data_ptr() for t in exp_avg_sqs] + ([t.data_ptr() for t in copies] or [0] * len(params))
-    align = 16 if all(address % 16 == 0 for address in table) else 1  # (a shard's gradient may start anywhere)
+    # (a shard's gradient may start anywhere)
+    align = KERNEL_ALIGNMENT if all(address % KERNEL_ALIGNMENT == 0 for address in table) else 1
     pinned = params[0].is_cuda  # (off CUDA only under Triton's interpreter, in tests)
     table = torch.tensor(table + list(sizes), dtype=torch.int64, pin_memory=pinned).to(params[0].device,
                                                                                      non_blocking=True)

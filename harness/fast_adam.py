@@ -69,7 +69,8 @@ class FastAdam(torch.optim.Adam):
                 if all(t.is_cuda and t.is_contiguous() for t in tensors) and fits_kernel_dtypes(*tensors):
                     copy = None if self.weight_copies is None else self.weight_copies.copy_of(p)
                     # (an unaligned tensor would make its whole launch unvectorised: it goes in a launch of its own)
-                    aligned = all(t.data_ptr() % 16 == 0 for t in (*tensors, *([copy] if copy is not None else [])))
+                    aligned = all(t.data_ptr() % KERNEL_ALIGNMENT == 0
+                                  for t in (*tensors, *([copy] if copy is not None else [])))
                     key = (step, tensors[0].device, tensors[1].dtype, None if copy is None else copy.dtype, aligned)
                     if key not in batches:
                         batches[key] = [self._hyper(group, step), [], [], [], [], []]
@@ -93,6 +94,11 @@ class FastAdam(torch.optim.Adam):
         super().zero_grad(set_to_none)
         if self.weight_copies is not None:
             self.weight_copies.zero_grad()
+
+
+# The kernel's 128-bit loads need every address of a launch to be a multiple of this many bytes: adam_step_kernel.py
+# promises it to the compiler only where a launch's addresses all are, and FastAdam launches the others apart.
+KERNEL_ALIGNMENT = 16
 
 
 def fits_kernel_dtypes(param, grad, exp_avg, exp_avg_sq) -> bool:
