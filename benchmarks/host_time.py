@@ -10,6 +10,9 @@ prints its mean milliseconds per step over the steps after warm-up: the host tim
 and each part's share of it. With CUDA the kernels run asynchronously, so a part's time is its host work plus any
 wait inside it; one that waits for the GPU or another rank shows up as a part that is long for its work.
 
+Finer timers (FSDP2's gathers and reductions, Triton's Python launches) are reported apart, after the parts: they
+run inside them.
+
 Why not torch.profiler: it adds its own cost to every op and (with Python stacks) every call, so small, frequent host
 work looks far bigger than it is. FastAdam's 141 step counters took 2.4 ms in a trace and 0.17 ms untraced; a trace
 with Python stacks doubled a whole FSDP step's host time. A part here costs two clock reads per call.
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _inside = threading.local()  # a timed part already running on this thread: nested parts count in the outer one
 _current: collections.Counter = collections.Counter()  # part -> seconds, in the step being queued
+_open_details: set[str] = set()  # details running now on any thread (a detail's own nesting counts once)
 _steps: list[dict[str, float]] = []
 _starts: list[float] = []  # when each step began queueing: their spacing is the pace of the run
 
@@ -51,6 +55,29 @@ def _timed(part: str, fn):
             _current[part] += time.perf_counter() - start
             _inside.part = None
     return wrapper
+
+
+def _timed_detail(detail: str, fn):
+    """A finer timer inside the parts (FSDP2's gathers and reductions, Triton's Python launches): counted whether or
+    not a part is running, and reported apart, so the parts still add up to the step."""
+    import torch
+
+    @torch.compiler.disable
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if detail in _open_details:
+            return fn(*args, **kwargs)
+        _open_details.add(detail)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _current[DETAIL + detail] += time.perf_counter() - start
+            _open_details.discard(detail)
+    return wrapper
+
+
+DETAIL = "within: "
 
 
 def _timed_step(fn):
@@ -92,6 +119,30 @@ def _parts():
             (Trainer, "read_pending", "metrics read (between steps)")]
 
 
+def _details():
+    """(owner, attribute, detail name): finer timers; ones this torch or Triton lacks are left out."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    wanted = [(param_group, "foreach_all_gather", "FSDP gather: copy-in and launch"),
+              (_fsdp_collectives, "_get_param_all_gather_inputs", "FSDP gather: the shards' casts"),
+              (param_group, "foreach_all_gather_copy_out", "FSDP gather: copy-out"),
+              (FSDPParam, "init_unsharded_param", "FSDP gather: unsharded parameters' setup"),
+              (param_group.FSDPParamGroup, "reshard", "FSDP reshard"),
+              (param_group, "foreach_reduce", "FSDP reduce-scatter: copy-in, launch, gradients' DTensors"),
+              (param_group.FSDPParamGroup, "_register_post_backward_hook", "FSDP forward's autograd hook")]
+    try:
+        from triton.runtime.autotuner import Autotuner, Heuristics
+        from triton.runtime.jit import JITFunction
+        wanted += [(Autotuner, "run", "Triton autotuner's launches (FLA)"),
+                   (Heuristics, "run", "Triton heuristics' launches (FLA)"),
+                   (JITFunction, "run", "Triton JIT launches (FLA, FastAdam, ours)")]
+    except ImportError:
+        pass
+    return [(owner, name, detail) for owner, name, detail in wanted if name in vars(owner)]
+
+
 def install() -> None:
     """Timers on every part (before the model and optimizer are built: FSDP registers its hooks as bound methods)."""
     from harness.trainer import Trainer
@@ -102,6 +153,8 @@ def install() -> None:
             setattr(owner, name, staticmethod(_timed(part, raw.__func__)))
         else:
             setattr(owner, name, _timed(part, raw))
+    for owner, name, detail in _details():
+        setattr(owner, name, _timed_detail(detail, vars(owner)[name]))
     Trainer._step = _timed_step(Trainer._step)
 
 
@@ -120,9 +173,11 @@ def report(warmup: int) -> list[str]:
              f"parts:"]
     # Within the step the parts never overlap (the main thread waits while the autograd thread runs the backward):
     # what they leave is the compiled regions, the eager ops around them and the kernel launches.
+    details = {part: means.pop(part) for part in list(means) if part.startswith(DETAIL)}
     means["the rest of the step"] = step - sum(ms for part, ms in means.items() if "between steps" not in part)
-    lines += [f"host_time rank {rank}:   {ms:7.2f} ms  {part}"
-              for part, ms in sorted(means.items(), key=lambda item: -item[1])]
+    for group in (means, details):
+        lines += [f"host_time rank {rank}:   {ms:7.2f} ms  {part}"
+                  for part, ms in sorted(group.items(), key=lambda item: -item[1])]
     return lines
 
 
