@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _inside = threading.local()  # a timed part already running on this thread: nested parts count in the outer one
 _current: collections.Counter = collections.Counter()  # part -> seconds, in the step being queued
+_calls: collections.Counter = collections.Counter()  # detail -> calls, over the whole run
 _open_details: set[str] = set()  # details running now on any thread (a detail's own nesting counts once)
 _steps: list[dict[str, float]] = []
 _starts: list[float] = []  # when each step began queueing: their spacing is the pace of the run
@@ -73,6 +74,7 @@ def _timed_detail(detail: str, fn):
             return fn(*args, **kwargs)
         finally:
             _current[DETAIL + detail] += time.perf_counter() - start
+            _calls[DETAIL + detail] += 1
             _open_details.discard(detail)
     return wrapper
 
@@ -133,11 +135,20 @@ def _details():
               (param_group, "foreach_reduce", "FSDP reduce-scatter: copy-in, launch, gradients' DTensors"),
               (param_group.FSDPParamGroup, "_register_post_backward_hook", "FSDP forward's autograd hook")]
     try:
+        from torch._inductor.output_code import CompiledFxGraph
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        wanted += [(CompiledFxGraph, "__call__", "inductor's compiled graphs, their launches included"),
+                   (CachingAutotuner, "run", "inductor's kernel launches")]
+    except ImportError:
+        pass
+    try:
         from triton.runtime.autotuner import Autotuner, Heuristics
         from triton.runtime.jit import JITFunction
         wanted += [(Autotuner, "run", "Triton autotuner's launches (FLA)"),
                    (Heuristics, "run", "Triton heuristics' launches (FLA)"),
-                   (JITFunction, "run", "Triton JIT launches (FLA, FastAdam, ours)")]
+                   (JITFunction, "run", "Triton JIT launches (FLA, FastAdam, ours)"),
+                   (JITFunction, "_do_compile", "Triton compiles (or loads from its disk cache)"),
+                   (Autotuner, "_bench", "Triton autotuning's benchmarks")]
     except ImportError:
         pass
     return [(owner, name, detail) for owner, name, detail in wanted if name in vars(owner)]
@@ -175,9 +186,11 @@ def report(warmup: int) -> list[str]:
     # what they leave is the compiled regions, the eager ops around them and the kernel launches.
     details = {part: means.pop(part) for part in list(means) if part.startswith(DETAIL)}
     means["the rest of the step"] = step - sum(ms for part, ms in means.items() if "between steps" not in part)
-    for group in (means, details):
-        lines += [f"host_time rank {rank}:   {ms:7.2f} ms  {part}"
-                  for part, ms in sorted(group.items(), key=lambda item: -item[1])]
+    lines += [f"host_time rank {rank}:   {ms:7.2f} ms  {part}"
+              for part, ms in sorted(means.items(), key=lambda item: -item[1])]
+    # A detail's calls over the whole run, warm-up included: a compile or an autotuning after warm-up stands out
+    lines += [f"host_time rank {rank}:   {ms:7.2f} ms  {part} ({_calls[part]} calls in all)"
+              for part, ms in sorted(details.items(), key=lambda item: -item[1])]
     return lines
 
 
