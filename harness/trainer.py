@@ -148,11 +148,13 @@ class Trainer:
         and their document layout derived on the host (under CP from the whole rows, which every CP rank holds),
         so that neither costs a GPU sync."""
         positions = batch["position_ids"]
+        # Always the packed layout, also for rows that hold one document each: one path through the kernels and
+        # the compiled graphs whatever the data (documents.document_layout).
         if self.dims.cp == 1:
-            layout = document_layout(positions, *positions.shape, positions.device)
+            layout = document_layout(positions, *positions.shape, positions.device, packed=True)
         else:
             index = zigzag_index(positions.shape[1], self.dims.cp, self.meshes.cp.get_local_rank())
-            layout = context_parallel_layout(positions[:, index], positions, index)
+            layout = context_parallel_layout(positions[:, index], positions, index, packed=True)
             layout.cp_segments = context_parallel_segments(layout)
         local = self.shard_rows(batch)
         return {"input_ids": to_device(local["input_ids"], self.device), "labels": to_device(local["labels"], self.device),

@@ -66,16 +66,24 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return (position_ids == 0) | first
 
 
-def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device) -> DocumentLayout:
-    """Derive the document layout of a (B, S) batch from its position ids (None: one document per row)."""
+def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device,
+                    packed: bool = False) -> DocumentLayout:
+    """Derive the document layout of a (B, S) batch from its position ids (None: one document per row).
+
+    Rows that hold one document each get the plain (unpacked) layout, unless `packed`: then every batch with
+    position ids gets the varlen one, cu_seqlens at the rows' starts where they hold one document each. Training
+    asks for that (Trainer.model_inputs): its kernels and compiled graphs then never depend on where the
+    documents fall. Otherwise the first batch whose rows each held one document (common with long documents, at
+    short sequences) took the other path mid-run: the blocks recompiled and FLA compiled, and autotuned where its
+    config cache had no entry, its non-varlen kernels: one 2 x H200 step at 512 tokens took 49 s, another 12 s."""
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
         return DocumentLayout(position_ids=position_ids, max_seqlen=seq_len)
     if position_ids.shape != (batch, seq_len):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(batch, seq_len)}")
     starts = document_starts(position_ids)
-    # One host sync per forward: kernels need to know whether rows are packed at all.
-    if int(starts.sum()) == batch:
+    # One host sync per forward (none for host position ids): kernels need to know whether rows are packed at all.
+    if not packed and int(starts.sum()) == batch:
         return DocumentLayout(position_ids=position_ids, max_seqlen=seq_len)
     flat_starts = starts.reshape(-1).nonzero().squeeze(-1)
     total = torch.tensor([batch * seq_len], device=device)
@@ -87,11 +95,11 @@ def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int,
 
 
 def context_parallel_layout(position_ids: torch.Tensor, global_position_ids: torch.Tensor,
-                            token_index: torch.Tensor) -> DocumentLayout:
+                            token_index: torch.Tensor, packed: bool = False) -> DocumentLayout:
     """The layout of this rank's share of the rows (position_ids, B x S_local) under context parallelism, given
-    the whole rows' position ids (B x S) and where the local tokens sit in a row."""
+    the whole rows' position ids (B x S) and where the local tokens sit in a row; `packed` as document_layout's."""
     batch, seq = global_position_ids.shape
-    whole = document_layout(global_position_ids, batch, seq, global_position_ids.device)
+    whole = document_layout(global_position_ids, batch, seq, global_position_ids.device, packed)
     return DocumentLayout(position_ids=position_ids, global_layout=whole, token_index=token_index)
 
 

@@ -57,6 +57,16 @@ def _step(model, ids, positions):
     return loss.item(), grads
 
 
+def assert_compiled_matches_eager(compiled: tuple, eager: tuple, what) -> None:
+    """(loss, gradients) of a compiled step against the eager step's: fp32 on CPU, where compiled kernels fuse and
+    sum in other orders than eager ops."""
+    (loss_c, grads_c), (loss, grads) = compiled, eager
+    assert loss_c == pytest.approx(loss, rel=1e-6), what
+    for name, grad in grads.items():
+        tol = fp32_grad_tolerance(name)
+        torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol * 1e-2, msg=f"{name} {what}")
+
+
 @pytest.mark.parametrize("ac_mode", ["none", "full"])
 def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
     """Also under full AC, compiled in two halves with the MoE half's checkpoint traced (the experts as one graph,
@@ -80,13 +90,7 @@ def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
             assert compiles_after_warmup > 0  # the blocks did compile
         ids = torch.randint(0, 512, (2, SEQ), generator=g)
         positions = None if documents is None else _positions(documents)
-        loss, grads = _step(eager, ids, positions)
-        loss_c, grads_c = _step(compiled, ids, positions)
-        # fp32 on CPU; compiled kernels fuse and sum in other orders than eager ops.
-        assert loss_c == pytest.approx(loss, rel=1e-6), documents
-        for name, grad in grads.items():
-            tol = fp32_grad_tolerance(name)
-            torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol * 1e-2, msg=f"{name} {documents}")
+        assert_compiled_matches_eager(_step(compiled, ids, positions), _step(eager, ids, positions), documents)
     assert counters["frames"]["ok"] == compiles_after_warmup, "new document layouts recompiled the blocks"
     torch._dynamo.reset()
 

@@ -242,3 +242,18 @@ def test_a_due_step_is_read_after_the_next_step_is_queued(tmp_path, monkeypatch)
     monkeypatch.setattr(Trainer, "_read", real_read)
     assert _run(tmp_path / "eager", "--training.steps", "6", "--metrics.log_freq", "100") == 0
     assert rows[-1]["loss"] == _metrics(tmp_path / "eager")[-1]["loss"]
+
+
+def test_training_batches_take_the_packed_layout_also_when_each_row_holds_one_document(tmp_path):
+    """One path through the kernels and compiled graphs whatever the data (documents.document_layout's `packed`;
+    tests/unit/test_packed_layout.py checks that path against the plain one)."""
+    from harness.trainer import Trainer
+
+    trainer = Trainer(load_config(["--config", CONFIG, *FAST, "--job.dump_folder", str(tmp_path / "out")]))
+    rows = torch.zeros(4, 64, dtype=torch.long)
+    for positions in (torch.arange(64).expand(4, 64), torch.arange(64).repeat(4, 2)[:, :64] % 40):
+        layout = trainer.model_inputs({"input_ids": rows, "labels": rows, "position_ids": positions})["layout"]
+        assert layout.is_packed and layout.cu_seqlens[0] == 0 and layout.cu_seqlens[-1] == 4 * 64
+    assert trainer.model_inputs({"input_ids": rows, "labels": rows, "position_ids": torch.arange(64).expand(4, 64)}
+                                )["layout"].cu_seqlens.tolist() == [0, 64, 128, 192, 256]
+    trainer.close()

@@ -1,0 +1,76 @@
+"""Training's document layout is the packed (varlen) one for every batch, also where each row holds one document
+(documents.document_layout's `packed`): that layout computes what the plain one does, and a compiled run that
+meets such a batch after others does not compile again."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from models.qwen35_moe import attention, get_flavor
+from models.qwen35_moe.documents import document_layout
+from parallel.parallelize import apply_compile
+from tests.builders import initialized_model
+from tests.unit.test_compile import (
+    SEQ,
+    _positions,
+    _varlen_stand_in,
+    assert_compiled_matches_eager,
+)
+
+
+def test_rows_of_one_document_get_cu_seqlens_at_the_rows_starts_when_packed():
+    positions = torch.stack([torch.arange(SEQ), torch.arange(7, SEQ + 7)])  # the second continues a document
+    plain = document_layout(positions, 2, SEQ, positions.device)
+    packed = document_layout(positions, 2, SEQ, positions.device, packed=True)
+    assert not plain.is_packed and packed.is_packed
+    assert packed.cu_seqlens.tolist() == [0, SEQ, 2 * SEQ] and packed.max_seqlen == SEQ
+    assert torch.equal(packed.document_ids, torch.ones(2, SEQ, dtype=packed.document_ids.dtype))
+    assert torch.equal(packed.cu_seqlens_cpu, packed.cu_seqlens)  # host positions: the host copy is at hand
+
+
+def _loss_and_grads(model, ids, **inputs):
+    out = model(ids, **inputs)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.item(), grads
+
+
+def test_the_packed_layout_of_whole_rows_computes_what_the_plain_layout_does():
+    """Float64 on CPU: the varlen paths (the gated delta rule's recurrence restarted at each cu_seqlens bound,
+    attention under a per-document mask) against the plain ones (the recurrence per batch row, causal SDPA)."""
+    model = initialized_model(get_flavor("debugmodel")).double()
+    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    loss, grads = _loss_and_grads(model, ids)  # no position ids: the plain layout
+    layout = document_layout(positions, 2, SEQ, positions.device, packed=True)
+    loss_packed, grads_packed = _loss_and_grads(model, ids, layout=layout)
+    assert loss_packed == pytest.approx(loss, rel=1e-12)
+    for name, grad in grads.items():  # float64: only summation order differs
+        torch.testing.assert_close(grads_packed[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_compiled_run_meeting_rows_of_one_document_does_not_compile_again(monkeypatch):
+    """As training feeds the model (layouts built on the host, packed): after two packed batches (the second's
+    recompile makes cu_seqlens' size dynamic), a batch whose rows each hold one document compiles nothing. With the
+    plain layout it took another path through every block: a recompile, and on CUDA FLA's other kernels."""
+    monkeypatch.setattr(attention, "_flash_applies", lambda q: True)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_stand_in, True))
+    torch._dynamo.reset()
+    eager = initialized_model(get_flavor("debugmodel"))
+    compiled = initialized_model(get_flavor("debugmodel"))
+    apply_compile(compiled)
+    g = torch.Generator().manual_seed(4)
+    for i, documents in enumerate([[[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [96]], [[50, 46], [96]]]):
+        if i == 2:
+            compiles = counters["frames"]["ok"]
+        ids = torch.randint(0, 512, (2, SEQ), generator=g)
+        positions = _positions(documents)
+        layout = document_layout(positions, 2, SEQ, positions.device, packed=True)
+        assert_compiled_matches_eager(_loss_and_grads(compiled, ids, layout=layout),
+                                      _loss_and_grads(eager, ids, position_ids=positions),  # [[96], [96]]: plain
+                                      documents)
+    assert counters["frames"]["ok"] == compiles, "a batch of whole-row documents recompiled the blocks"
+    torch._dynamo.reset()
