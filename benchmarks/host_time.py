@@ -4,8 +4,10 @@
         --training.local_batch_size 2 --activation_checkpoint.mode none --compile.enable true
 
 Runs train_throughput.py's benchmark (same arguments) with wall-clock timers around the parts of a step that run
-eager Python on the host: FSDP2's hooks, the optimizer step, the gated delta rule's autograd function (FLA's
-kernels launched from Python), the chunked cross entropy, the per-step stop check and the metrics' reads. Each rank
+eager Python on the host: FSDP2's hooks, the optimizer step (and zero_grad), the gated delta rule's autograd
+function (FLA's kernels launched from Python), the chunked cross entropy, the vocabulary-parallel embedding, the
+replicated parameters' all-reduce, the inputs' layouts, the loss's bookkeeping and the gradient norm, the per-step
+stop check and the metrics' reads. Each rank
 prints its mean milliseconds per step over the steps after warm-up: the host time of queueing a step (`Trainer._step`)
 and each part's share of it. With CUDA the kernels run asynchronously, so a part's time is its host work plus any
 wait inside it; one that waits for the GPU or another rank shows up as a part that is long for its work.
@@ -103,11 +105,14 @@ def _parts():
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
+    import harness.trainer as trainer_module
     from harness.fast_adam import FastAdam
     from harness.preemption import StopRequested
     from harness.trainer import Trainer
     from models.qwen35_moe.fla_saved_states import SavedStatesGatedDeltaRule
     from models.qwen35_moe.linear_cross_entropy import _LinearCrossEntropy
+    from parallel.replicated_params import ReplicatedParams
+    from parallel.vocab_parallel import VocabShard
 
     return [(FSDPState, "_pre_forward", "FSDP pre-forward"), (FSDPState, "_post_forward", "FSDP post-forward"),
             (FSDPState, "_pre_backward", "FSDP pre-backward"), (FSDPParamGroup, "post_backward", "FSDP post-backward"),
@@ -117,6 +122,13 @@ def _parts():
             (SavedStatesGatedDeltaRule, "backward", "gated delta rule backward"),
             (_LinearCrossEntropy, "forward", "cross entropy forward"),
             (_LinearCrossEntropy, "backward", "cross entropy backward"),
+            (VocabShard, "embed", "vocabulary-parallel embedding"),
+            (ReplicatedParams, "_average", "replicated parameters' all-reduce"),
+            (Trainer, "model_inputs", "inputs and their document layouts"),
+            (trainer_module, "global_label_tokens", "label tokens' count"),
+            (trainer_module, "balance_loss_share", "balance loss"),
+            (trainer_module, "clip_grad_norm_", "gradient norm and clipping"),
+            (FastAdam, "zero_grad", "zero_grad"),
             (StopRequested, "agreed", "stop check (between steps)"),
             (Trainer, "read_pending", "metrics read (between steps)")]
 
