@@ -71,11 +71,10 @@ def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int,
     """Derive the document layout of a (B, S) batch from its position ids (None: one document per row).
 
     Rows that hold one document each get the plain (unpacked) layout, unless `packed`: then every batch with
-    position ids gets the varlen one, cu_seqlens at the rows' starts where they hold one document each. Training
-    asks for that (Trainer.model_inputs): its kernels and compiled graphs then never depend on where the
-    documents fall. Otherwise the first batch whose rows each held one document (common with long documents, at
-    short sequences) took the other path mid-run: the blocks recompiled and FLA compiled, and autotuned where its
-    config cache had no entry, its non-varlen kernels: one 2 x H200 step at 512 tokens took 49 s, another 12 s."""
+    position ids gets the varlen one, cu_seqlens at the rows' starts where each row is one document. Training asks
+    for that (Trainer.model_inputs), so its kernels and compiled graphs never depend on where the documents fall:
+    the first batch of whole-row documents (common with long documents) took the other path mid-run, recompiling
+    the blocks and making FLA compile, and autotune, its non-varlen kernels (a 49 s step at 512 tokens on an H200)."""
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
         return DocumentLayout(position_ids=position_ids, max_seqlen=seq_len)
