@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _inside = threading.local()  # a timed part already running on this thread: nested parts count in the outer one
 _current: collections.Counter = collections.Counter()  # part -> seconds, in the step being queued
+DETAIL = "within: "  # the prefix of a finer timer's entries in _current and _calls
 _calls: collections.Counter = collections.Counter()  # detail -> calls, over the whole run
 _open_details: set[str] = set()  # details running now on any thread (a detail's own nesting counts once)
 _steps: list[dict[str, float]] = []
@@ -79,9 +80,6 @@ def _timed_detail(detail: str, fn):
             _calls[DETAIL + detail] += 1
             _open_details.discard(detail)
     return wrapper
-
-
-DETAIL = "within: "
 
 
 def _timed_step(fn):
