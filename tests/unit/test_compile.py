@@ -48,8 +48,9 @@ LAYOUTS = [None, [[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [5, 91]]
 WARMUP = 3  # the unpacked path, a packed one, and the recompile that makes cu_seqlens' size dynamic
 
 
-def _step(model, ids, positions):
-    out = model(ids, positions)
+def _step(model, ids, positions, **inputs):
+    """One forward and backward (`inputs`: more of the model's arguments, e.g. a layout); the loss and gradients."""
+    out = model(ids, positions, **inputs)
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

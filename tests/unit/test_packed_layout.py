@@ -4,7 +4,6 @@ meets such a batch after others does not compile again."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor
@@ -14,6 +13,7 @@ from tests.builders import initialized_model
 from tests.unit.test_compile import (
     SEQ,
     _positions,
+    _step,
     _varlen_stand_in,
     assert_compiled_matches_eager,
 )
@@ -29,24 +29,15 @@ def test_rows_of_one_document_get_cu_seqlens_at_the_rows_starts_when_packed():
     assert torch.equal(packed.cu_seqlens_cpu, packed.cu_seqlens)  # host positions: the host copy is at hand
 
 
-def _loss_and_grads(model, ids, **inputs):
-    out = model(ids, **inputs)
-    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    return loss.item(), grads
-
-
 def test_the_packed_layout_of_whole_rows_computes_what_the_plain_layout_does():
     """Float64 on CPU: the varlen paths (the gated delta rule's recurrence restarted at each cu_seqlens bound,
     attention under a per-document mask) against the plain ones (the recurrence per batch row, causal SDPA)."""
     model = initialized_model(get_flavor("debugmodel")).double()
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
     positions = torch.arange(SEQ).expand(2, SEQ)
-    loss, grads = _loss_and_grads(model, ids)  # no position ids: the plain layout
+    loss, grads = _step(model, ids, None)  # no position ids: the plain layout
     layout = document_layout(positions, 2, SEQ, positions.device, packed=True)
-    loss_packed, grads_packed = _loss_and_grads(model, ids, layout=layout)
+    loss_packed, grads_packed = _step(model, ids, None, layout=layout)
     assert loss_packed == pytest.approx(loss, rel=1e-12)
     for name, grad in grads.items():  # float64: only summation order differs
         torch.testing.assert_close(grads_packed[name], grad, rtol=1e-9, atol=1e-12, msg=name)
@@ -69,8 +60,8 @@ def test_a_compiled_run_meeting_rows_of_one_document_does_not_compile_again(monk
         ids = torch.randint(0, 512, (2, SEQ), generator=g)
         positions = _positions(documents)
         layout = document_layout(positions, 2, SEQ, positions.device, packed=True)
-        assert_compiled_matches_eager(_loss_and_grads(compiled, ids, layout=layout),
-                                      _loss_and_grads(eager, ids, position_ids=positions),  # [[96], [96]]: plain
+        assert_compiled_matches_eager(_step(compiled, ids, None, layout=layout),
+                                      _step(eager, ids, positions),  # [[96], [96]]: the plain layout
                                       documents)
     assert counters["frames"]["ok"] == compiles, "a batch of whole-row documents recompiled the blocks"
     torch._dynamo.reset()

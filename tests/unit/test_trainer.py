@@ -251,9 +251,9 @@ def test_training_batches_take_the_packed_layout_also_when_each_row_holds_one_do
 
     trainer = Trainer(load_config(["--config", CONFIG, *FAST, "--job.dump_folder", str(tmp_path / "out")]))
     rows = torch.zeros(4, 64, dtype=torch.long)
-    for positions in (torch.arange(64).expand(4, 64), torch.arange(64).repeat(4, 2)[:, :64] % 40):
-        layout = trainer.model_inputs({"input_ids": rows, "labels": rows, "position_ids": positions})["layout"]
-        assert layout.is_packed and layout.cu_seqlens[0] == 0 and layout.cu_seqlens[-1] == 4 * 64
-    assert trainer.model_inputs({"input_ids": rows, "labels": rows, "position_ids": torch.arange(64).expand(4, 64)}
-                                )["layout"].cu_seqlens.tolist() == [0, 64, 128, 192, 256]
+    whole_rows, packed = ({"input_ids": rows, "labels": rows, "position_ids": (torch.arange(64) % n).expand(4, 64)}
+                          for n in (64, 40))  # one document per row; two per row (40 and 24 tokens)
+    assert trainer.model_inputs(whole_rows)["layout"].cu_seqlens.tolist() == [0, 64, 128, 192, 256]
+    layout = trainer.model_inputs(packed)["layout"]
+    assert layout.is_packed and layout.cu_seqlens[0] == 0 and layout.cu_seqlens[-1] == 4 * 64
     trainer.close()
