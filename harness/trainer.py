@@ -289,10 +289,16 @@ class Trainer:
                     window_start = time.perf_counter()  # validation time is not training throughput
                 saved = self._maybe_save(force=bool(stop))
                 if stop:
+                    self.stop.settle()
                     raise TrainingStopped(self.step, stop, saved)
+            self.stop.settle()
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
+            try:
+                self.stop.settle()  # leaving on an error: the vote every rank started, gloo work not left at exit
+            except Exception:  # noqa: BLE001  (the error on the way out is the one to report)
+                pass
             if gc_freq:
                 gc.enable()
             profiler.close()
