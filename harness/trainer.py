@@ -289,15 +289,14 @@ class Trainer:
                     window_start = time.perf_counter()  # validation time is not training throughput
                 saved = self._maybe_save(force=bool(stop))
                 if stop:
-                    self.stop.settle()
                     raise TrainingStopped(self.step, stop, saved)
-            self.stop.settle()
+            self.stop.settle()  # the last boundary's vote, which every rank started
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
             try:
-                self.stop.settle()  # leaving on an error: the vote every rank started, gloo work not left at exit
-            except Exception:  # noqa: BLE001  (the error on the way out is the one to report)
+                self.stop.settle()  # leaving on a stop or an error: gloo work left in flight at exit aborts
+            except Exception:  # noqa: BLE001  (the stop or error on the way out is the one to report)
                 pass
             if gc_freq:
                 gc.enable()
