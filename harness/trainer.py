@@ -24,6 +24,7 @@ from parallel.context_parallel import shard_zigzag, zigzag_index
 from parallel.expert_parallel import scale_expert_gradients
 from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
+from parallel.reshard_policy import keep_if_it_fits
 
 from .checkpoint import Checkpointer, latest_complete_step
 from .hf_weights import export_hf, with_tokenizer, write_hf_meta
@@ -240,6 +241,7 @@ class Trainer:
         self.model.train()
         profiler = StepProfiler(cfg, self.rank, self.device, start_step=self.step)
         gc_freq = cfg.training.gc_freq
+        reshard_auto = cfg.parallelism.fsdp_reshard_after_forward == "auto"
 
         def log(step: int) -> None:
             nonlocal window, window_start
@@ -265,6 +267,12 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 batches = [next(data) for _ in range(accum)]
                 self.pending.append((self.step, StepValues(self._step(batches))))
+                if reshard_auto:  # the launch's first step: its peak is known once it is read
+                    self.read_pending()
+                    line = keep_if_it_fits(self.model, self.device, self.cpu_group)
+                    if line is not None and self.rank == 0:
+                        logger.info(line)
+                    reshard_auto = False
                 profiler.step(self.step)
                 window.append((self.step, sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr))
                 # A due step is logged one step late, once this step is queued: reading it then does not drain

@@ -129,6 +129,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
     layers = list(model.layers.values())
     prefetches = []  # per block, what its forward gathers ahead: its nested units, then the next block
+    resharded = []  # the units inside the blocks that free their weights after forward (reshard_policy.py)
     replicated = []  # modules whose parameters are whole on every rank: the GDN layers' fp32 ones, the final norm
     for index, layer in enumerate(layers):
         ignored, prefetch = set(), []
@@ -142,11 +143,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
                             reshard_after_forward=not keep)
+                resharded += [] if keep else [module]
             elif isinstance(module, RoutedExperts) and index == 0:
                 fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
                 prefetch.append(module)
+                resharded += [] if keep else [module]
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
+        resharded += [] if keep else [layer]
         prefetches.append(prefetch)
+    model.fsdp_resharded_units = resharded
     vocab_params = apply_vocab_parallel(model, mesh, param_dtype) if vocab_parallel else []
     # Units of their own unless vocabulary-parallel; tied, the two share one parameter, which the root keeps.
     if not vocab_parallel and model.lm_head.weight is not model.embed_tokens.weight:

@@ -97,17 +97,27 @@ def test_selective_checkpointing_recomputes_elementwise_work_but_no_matmul():
         assert none[op] < selective[op] <= full[op], (op, none[op], selective[op], full[op])
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mesh, reshard):
+@pytest.mark.parametrize("mode", ["default", "never", "kept later"])
+def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mesh, mode):
     """`parallelism.fsdp_reshard_after_forward = "never"`: between forward and backward the blocks hold their
-    gathered (plain tensor) weights, not their shards (DTensors); the gradients are the same either way."""
+    gathered (plain tensor) weights, not their shards (DTensors); the gradients are the same either way. "kept
+    later" is what "auto" does where the weights fit: units built to free them keep them from then on
+    (parallel/reshard_policy.py)."""
     from torch.distributed.tensor import DTensor
 
     from parallel.parallelize import apply_fsdp, reshard_fsdp
+    from parallel.reshard_policy import keep_gathered_weights
 
     plain = _model()
     model = copy.deepcopy(plain)
-    apply_fsdp(model, one_rank_mesh, None, None, reshard_after_forward=reshard)
+    apply_fsdp(model, one_rank_mesh, None, None, reshard_after_forward=mode != "never")
+    # the units that free their weights: every block but the last, and the first block's experts (a unit of its own)
+    layers = list(model.layers.values())
+    assert model.fsdp_resharded_units == ([] if mode == "never" else
+                                          [layers[0].mlp.experts, *layers[:-1]])
+    if mode == "kept later":
+        assert keep_gathered_weights(model) == len(layers) and model.fsdp_resharded_units == []
+    reshard = mode == "default"
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(64).expand(1, 64)
     sharded = lambda: isinstance(model.layers["0"].mlp.shared_expert.up_proj.weight, DTensor)  # noqa: E731
