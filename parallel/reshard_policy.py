@@ -39,14 +39,34 @@ def all_ranks_fit(peak: int, gathered: int, capacity: int, group: dist.ProcessGr
     return bool(fits.item())
 
 
-def gathered_bytes(units: list[nn.Module], device: torch.device) -> int:
-    """The bytes the units' gathered weights take on `device`, measured: each unit gathered once and freed (every
-    rank does the same, in the same order: these are collectives)."""
+class CudaMemory:
+    """What the rule reads of a GPU's memory (bytes)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def capacity(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+
+def device_memory(device: torch.device) -> CudaMemory | None:
+    return CudaMemory(device) if device.type == "cuda" else None
+
+
+def gathered_bytes(units: list[nn.Module], memory: CudaMemory) -> int:
+    """The bytes the units' gathered weights take, measured: each unit gathered once and freed (every rank does
+    the same, in the same order: these are collectives)."""
     total = 0
     for unit in units:
-        before = torch.cuda.memory_allocated(device)
+        before = memory.allocated()
         unit.unshard()
-        total += torch.cuda.memory_allocated(device) - before
+        total += memory.allocated() - before
         unit.reshard()
     return total
 
@@ -57,11 +77,11 @@ def keep_if_it_fits(model: nn.Module, device: torch.device, group: dist.ProcessG
     units = getattr(model, "fsdp_resharded_units", [])
     if not units:
         return None
-    if device.type != "cuda":
+    memory = device_memory(device)
+    if memory is None:
         return "fsdp_reshard_after_forward auto: on CPU, the blocks free their gathered weights after forward"
-    gathered = gathered_bytes(units, device)
-    peak = torch.cuda.max_memory_reserved(device)
-    capacity = torch.cuda.get_device_properties(device).total_memory
+    gathered = gathered_bytes(units, memory)
+    peak, capacity = memory.peak(), memory.capacity()
     sizes = (f"the first step's peak {peak / GIB:.1f} GiB + {gathered / GIB:.1f} GiB of gathered weights "
              f"{{}} {KEEP_FRACTION:.0%} of {capacity / GIB:.1f} GiB")
     if all_ranks_fit(peak, gathered, capacity, group):

@@ -33,9 +33,9 @@ def test_on_a_gpu_the_blocks_keep_their_weights_where_they_fit(one_rank_mesh, mo
     model = _fsdp_model(one_rank_mesh)
     units = list(model.fsdp_resharded_units)
     measured = []
-    monkeypatch.setattr(policy, "gathered_bytes", lambda units, device: measured.append(units) or 3 * GIB)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: peak_gib * GIB)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(policy, "gathered_bytes", lambda units, memory: measured.append(units) or 3 * GIB)
+    monkeypatch.setattr(policy, "device_memory", lambda device: SimpleNamespace(peak=lambda: peak_gib * GIB,
+                                                                                capacity=lambda: 80 * GIB))
     line = policy.keep_if_it_fits(model, torch.device("cuda", 0), None)
     assert measured == [units]  # the units that free their weights were the ones measured
     assert ("keep their gathered weights" in line) == keeps and f"peak {peak_gib}.0 GiB + 3.0 GiB" in line
