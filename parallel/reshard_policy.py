@@ -82,11 +82,10 @@ def keep_if_it_fits(model: nn.Module, device: torch.device, group: dist.ProcessG
         return "fsdp_reshard_after_forward auto: on CPU, the blocks free their gathered weights after forward"
     gathered = gathered_bytes(units, memory)
     peak, capacity = memory.peak(), memory.capacity()
-    sizes = (f"the first step's peak {peak / GIB:.1f} GiB + {gathered / GIB:.1f} GiB of gathered weights "
-             f"{{}} {KEEP_FRACTION:.0%} of {capacity / GIB:.1f} GiB")
-    if all_ranks_fit(peak, gathered, capacity, group):
+    keep = all_ranks_fit(peak, gathered, capacity, group)
+    if keep:
         keep_gathered_weights(model)
-        return "fsdp_reshard_after_forward auto: the blocks keep their gathered weights to the backward (" + \
-            sizes.format("<=") + ")"
-    return "fsdp_reshard_after_forward auto: the blocks free their gathered weights after forward (" + \
-        sizes.format("above") + " on some rank)"
+    verdict = "keep their gathered weights to the backward" if keep else "free their gathered weights after forward"
+    return (f"fsdp_reshard_after_forward auto: the blocks {verdict} (this rank: the first step's peak "
+            f"{peak / GIB:.1f} GiB + {gathered / GIB:.1f} GiB gathered, against {KEEP_FRACTION:.0%} of "
+            f"{capacity / GIB:.1f} GiB)")
