@@ -143,13 +143,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
                 fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
                             reshard_after_forward=not keep)
-                resharded += [] if keep else [module]
             elif isinstance(module, RoutedExperts) and index == 0:
                 fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
                 prefetch.append(module)
-                resharded += [] if keep else [module]
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
-        resharded += [] if keep else [layer]
+        if not keep:  # the block's nested units (its experts, where they are one), then the block
+            resharded += [m for m in layer.modules() if isinstance(m, FSDPModule) and m is not layer] + [layer]
         prefetches.append(prefetch)
     model.fsdp_resharded_units = resharded
     vocab_params = apply_vocab_parallel(model, mesh, param_dtype) if vocab_parallel else []
