@@ -129,12 +129,12 @@ class Parallelism:
     # one host sync per layer. "auto": all_gather while ep <= top_k / 2 (1.26x / 1.08x the all-to-all's tokens/s
     # at EP=2 / EP=4 on H200s), all_to_all above.
     expert_parallel_dispatch: Literal["auto", "all_gather", "all_to_all"] = "auto"
-    # "never": each block keeps its gathered (bf16) weights from forward to backward: no second all-gather and
-    # cast per step, for the memory of the whole model's gathered weights (FSDP=2 at 4 layers / 64 experts:
-    # 94.7-96.0% of one GPU's tokens/s per GPU against 91.2-93.2%, +1.3 GiB; README); "default" = "always" (free them);
-    # "auto": "default" for a launch's first step, then "never" if its peak plus those weights fit in 85% of every
-    # rank's GPU memory (parallel/reshard_policy.py)
-    fsdp_reshard_after_forward: Literal["default", "always", "never", "auto"] = "default"
+    # "auto" (the default): "default" for a launch's first step, then "never" if that step's peak plus the blocks'
+    # gathered weights fit in 85% of every rank's GPU memory (parallel/reshard_policy.py; on CPU "default"). FSDP=2
+    # at 8 layers / 32 experts: +2.5% tokens/s per GPU for +1.7 GiB (README "Speed"). "never": each block keeps its
+    # gathered (bf16) weights from forward to backward, sparing the backward's all-gathers and casts, whatever the
+    # memory. "default" = "always" (torchtitan's): every block but the last frees them after forward.
+    fsdp_reshard_after_forward: Literal["default", "always", "never", "auto"] = "auto"
     # The embedding and the lm_head vocabulary-parallel (parallel/vocab_parallel.py): their weights stay sharded by
     # rows and each rank serves its rows to every rank's tokens, so FSDP never gathers them nor reduces their whole
     # gradients. "auto": where that moves fewer bytes (FSDP ranks x tokens per rank <= vocabulary size).
