@@ -65,7 +65,11 @@ def assert_compiled_matches_eager(compiled: tuple, eager: tuple, what) -> None:
     assert loss_c == pytest.approx(loss, rel=1e-6), what
     for name, grad in grads.items():
         tol = fp32_grad_tolerance(name)
-        torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol * 1e-2, msg=f"{name} {what}")
+        # An element's summation noise follows the magnitudes summed into it, not its own value, so the absolute
+        # floor grows with the tensor's largest element: on an AVX2 host the embedding's gradient differed by
+        # 1.25e-7 at a near-zero element (max |grad| 0.11), eager and compiled each 1.6e-7 from float64.
+        atol = tol * max(1e-2, grad.abs().max().item())
+        torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=atol, msg=f"{name} {what}")
 
 
 @pytest.mark.parametrize("ac_mode", ["none", "full"])
