@@ -131,7 +131,7 @@ class Parallelism:
     expert_parallel_dispatch: Literal["auto", "all_gather", "all_to_all"] = "auto"
     # "auto" (the default): "default" for a launch's first step, then "never" if that step's peak plus the blocks'
     # gathered weights fit in 85% of every rank's GPU memory (parallel/reshard_policy.py; on CPU "default"). FSDP=2
-    # at 8 layers / 32 experts: +2.5% tokens/s per GPU for +1.7 GiB (README "Speed"). "never": each block keeps its
+    # at 8 layers / 32 experts: +1.9-2.7% tokens/s per GPU for +1.7 GiB (README "Speed"). "never": each block keeps its
     # gathered (bf16) weights from forward to backward, sparing the backward's all-gathers and casts, whatever the
     # memory. "default" = "always" (torchtitan's): every block but the last frees them after forward.
     fsdp_reshard_after_forward: Literal["default", "always", "never", "auto"] = "auto"
