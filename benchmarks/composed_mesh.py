@@ -161,7 +161,7 @@ def held_out_loss(hf_folder: Path, tokens: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness.tokenizer import ByteTokenizer
+    from harness.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     ids: list[int] = []

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from bench_model import bench_args, run_figures, trainer_argv  # noqa: E402
 from gpu_power import PowerSampler  # noqa: E402
 from harness.config import load_config  # noqa: E402
-from harness.data import build_dataloader  # noqa: E402
+from harness.data.loader import build_dataloader  # noqa: E402
 from harness.metrics import max_memory_gib, mean_attended_keys, peak_flops, training_flops_per_token  # noqa: E402
 from harness.train import main as train_main  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs  # noqa: E402
@@ -50,7 +50,7 @@ def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device,
     """A plain transformers loop over `batches`; returns median tokens/s and peak memory after warm-up."""
     from transformers import AutoConfig, Qwen3_5MoeForCausalLM
 
-    from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward
+    from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward
 
     if device.type == "cuda":  # FLA refuses its backward on Hopper with Triton < 3.7.1 unless this self-check passes
         enable_fla_hopper_backward(args.linear_num_key_heads, args.linear_num_value_heads,
@@ -121,7 +121,7 @@ def main() -> int:
             *ns.overrides]
     cfg = load_config(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from harness.tokenizer import build_tokenizer
+    from harness.data.tokenizer import build_tokenizer
 
     t = cfg.training
     loader = build_dataloader(t.dataset, t.dataset_path, t.dataset_text_field, build_tokenizer(cfg.model.tokenizer_path),

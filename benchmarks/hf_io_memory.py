@@ -5,9 +5,9 @@
 Builds a 35B-A3B-wide model (vocab 248,320, hidden 2048) cut to a few layers and experts (about 1.2B parameters
 by default), in fp32 on CPU, saves it as a DCP checkpoint, then measures in fresh processes (peak resident set
 size, ru_maxrss):
-  export   the model in memory (fp32) exported to HF in bf16 by harness.hf_weights.export_hf
+  export   the model in memory (fp32) exported to HF in bf16 by harness.checkpoint.hf_weights.export_hf
   convert  python -m harness.convert on the DCP step (reads the weights shard by shard)
-  import   an empty model filled from the HF folder by harness.hf_weights.load_hf_weights
+  import   an empty model filled from the HF folder by harness.checkpoint.hf_weights.load_hf_weights
 The peak is taken over the stage alone (Linux: the high-water mark is reset once the model is built), and
 reported with the memory the process must hold anyway (the model's parameters, or nothing for the converter)
 subtracted, next to the model's bf16 size: every stage should stay within a few times its largest tensor
@@ -63,7 +63,7 @@ def stage(name: str, work: Path, layers: int, experts: int, shard_gib: float) ->
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from harness.hf_weights import export_hf, load_hf_weights, write_hf_meta
+    from harness.checkpoint.hf_weights import export_hf, load_hf_weights, write_hf_meta
 
     start = time.perf_counter()
     if name == "save":  # the DCP checkpoint the converter reads

@@ -15,7 +15,7 @@ The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 com
   parallel/activation_checkpointing.py; eager, one: the model then over-predicts by 2 B x hidden a block);
   without AC, LAYER_BYTES for every block, plus, counted not fitted (the
   fitted peaks were measured before bdecd26), the chunk states FLA's function keeps for its backward
-  (models/qwen35_moe/fla_saved_states.py) in every Gated DeltaNet layer. (With full AC only the recomputed block
+  (models/qwen35_moe/kernels/fla_saved_states.py) in every Gated DeltaNet layer. (With full AC only the recomputed block
   holds them, as FLA's backward held the same tensors when it recomputed them: not counted.)
 - FIXED: the rest (the gathered lm_head, the chunked cross entropy's one chunk of logits, CUDA context and NCCL
   buffers), fitted. (It was fitted while the root also kept the embedding gathered through the step; the peaks

@@ -64,7 +64,7 @@ class Training:
     deterministic: bool = False  # deterministic algorithms (slower)
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (FSDP's param dtype)
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"  # FSDP gradient reduce dtype
-    dataset: Literal["text", "jsonl", "parquet", "hf"] = "text"  # kind of source (see harness/data_sources.py)
+    dataset: Literal["text", "jsonl", "parquet", "hf"] = "text"  # kind of source (see harness/data/sources.py)
     dataset_path: str = ""  # file, folder or HF dataset name, depending on `dataset`
     dataset_text_field: str = "text"  # field holding the text in jsonl / parquet / hf records
     # Tokenized cache of a local dataset (built once per dataset and tokenizer, then memory-mapped);

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
-from .hf_weights import write_hf_folder
+from .checkpoint.hf_weights import write_hf_folder
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from models.qwen35_moe.moe import RouterStats, load_balancing_loss
 
-from .data import IGNORE_INDEX
+from .data.loader import IGNORE_INDEX
 
 
 def global_label_tokens(microbatches: list[dict[str, torch.Tensor]], device: torch.device,

@@ -12,13 +12,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
-from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
+from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
 from models.qwen35_moe.linear import WeightCopies
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
 from parallel.vocab_parallel import resolve_vocab_parallel
 
-from .hf_weights import load_hf_weights
+from .checkpoint.hf_weights import load_hf_weights
 from .config import JobConfig
 
 logger = logging.getLogger(__name__)

@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     name = cfg.job.name.replace("%", "%%")  # the format string below is %-style
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[{name} %(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
-    from models.qwen35_moe.gated_delta_rule import FlaKernelsUnavailableError
+    from models.qwen35_moe.kernels.gated_delta_rule import FlaKernelsUnavailableError
 
-    from .checkpoint import CheckpointError
-    from .data import DataError
+    from .checkpoint.checkpointer import CheckpointError
+    from .data.loader import DataError
     from .preemption import TERMINATED, TrainingStopped
     from .trainer import Trainer, TrainingDivergedError  # heavy imports only once the config is valid
 

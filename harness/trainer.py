@@ -26,20 +26,20 @@ from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
-from .checkpoint import Checkpointer, latest_complete_step
-from .hf_weights import export_hf, with_tokenizer, write_hf_meta
+from .checkpoint.checkpointer import Checkpointer, latest_complete_step
+from .checkpoint.hf_weights import export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
-from .data import build_dataloader
+from .data.loader import build_dataloader
 from .loss import balance_loss_share, global_label_tokens, routing_loads
-from .lr_schedule import build_lr_scheduler
+from .optim.lr_schedule import build_lr_scheduler
 from .metrics import MetricsLogger, max_memory_gib, mean_attended_keys, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args
-from .fast_adam import FastAdam
-from .optimizer import build_optimizer
+from .optim.fast_adam import FastAdam
+from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
 from .runtime import cpu_process_group, init_process_group, pick_device, set_seed
-from .tokenizer import build_tokenizer
+from .data.tokenizer import build_tokenizer
 from .validation import Validator
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from torch import nn
 from parallel.parallelize import reshard_fsdp
 
 from .config import JobConfig
-from .data import IGNORE_INDEX, build_dataloader
+from .data.loader import IGNORE_INDEX, build_dataloader
 
 
 class Validator:

@@ -29,7 +29,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach
     (a plain 0-dim tensor, at least fp32, on the gradients' device, the same on every rank). No host sync.
 
     `scaling_optimizer`: an optimizer whose step divides every gradient by its `grad_scale` as it reads it
-    (torch's fused Adam/AdamW, the hook GradScaler uses; harness.fast_adam.FastAdam on CUDA). The scaling is then
+    (torch's fused Adam/AdamW, the hook GradScaler uses; harness.optim.fast_adam.FastAdam on CUDA). The scaling is then
     left to its next step, which spares a read and a write of every fp32 gradient. max_norm inf scales nothing."""
     groups: dict[object, list[torch.Tensor]] = {}  # (mesh, placements (None: plain tensors), dtype) -> gradients
     for p in parameters:

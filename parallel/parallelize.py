@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from models.qwen35_moe.attention import GatedAttention
-from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
+from models.qwen35_moe.fp32_contract import Fp32ParamsModule
 from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 

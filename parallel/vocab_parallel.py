@@ -10,7 +10,7 @@ of the rows (rank r: rows r * ceil(V / n) ...) and:
   and a reduce-scatter sums each token's row onto the token's rank. Backward: the output gradients are gathered and
   each rank sums them into its slice's rows.
 - lm_head and loss: gathers the group's final hidden states and labels and computes its slice of every gathered
-  token's logits; the ranks combine per-row statistics into the loss (models/qwen35_moe/linear_cross_entropy.py),
+  token's logits; the ranks combine per-row statistics into the loss (models/qwen35_moe/kernels/linear_cross_entropy.py),
   and a reduce-scatter sums each token's hidden-state gradient over the slices onto its rank.
 
 Per rank and step that moves about 10 x (n x tokens per rank) x hidden bytes where FSDP moves 12 x vocab x
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.qwen35_moe.linear_cross_entropy import combine_slice_stats, linear_cross_entropy_sum, scale_
+from models.qwen35_moe.kernels.linear_cross_entropy import combine_slice_stats, linear_cross_entropy_sum, scale_
 
 from .collectives import all_gather, reduce_scatter_sum
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from models.qwen35_moe.gated_delta_rule import gated_delta_rule
+from models.qwen35_moe.kernels.gated_delta_rule import gated_delta_rule
 
 
 class _ScaleHeadGradient(torch.autograd.Function):

@@ -90,7 +90,7 @@ def save_hf_checkpoint(
     weights (the tokenizer). Every file is made readable by all (0644, folders 0755, less the umask),
     everything is flushed to disk, then the folder is renamed into place: an interrupted export never leaves
     a half-written or mixed folder under the final name. (A sharded model is exported piece by piece with the
-    same helpers by harness/hf_weights.py.)
+    same helpers by harness/checkpoint/hf_weights.py.)
     """
     folder = Path(folder)
     hf = Qwen35MoeStateDictAdapter(args).to_hf(state_dict)

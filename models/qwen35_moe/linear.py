@@ -1,12 +1,12 @@
 """The model's one mixed-precision rule: a module computes in the dtype of its input activations and casts its
 weights to it where they differ. Under FSDP's bf16 policy the gathered weights already are bf16 and the casts
 do nothing; on one GPU, where the model is not sharded at all, the fp32 weights are cast at each use (their
-gradients flow back through the cast in fp32). The fp32-contract modules (gated_delta_net_fp32.py) upcast instead.
+gradients flow back through the cast in fp32). The fp32-contract modules (fp32_contract.py) upcast instead.
 
 Kept copies (one GPU): casting the fp32 weights at each use reads 4 and writes 2 bytes per parameter every step
 (on an H200, 2.6 ms of a 132 ms step of benchmarks/hf_baseline.py's 8-layer model). `WeightCopies` gives
 each weight it covers a copy in the compute dtype, which the optimizer rewrites as it updates the weight
-(harness/fast_adam.py, 2 bytes per parameter) and which is then read in place of the cast. A copy is only used
+(harness/optim/fast_adam.py, 2 bytes per parameter) and which is then read in place of the cast. A copy is only used
 while it is current: any other in-place change of the weight (a checkpoint or HF load, an init, another optimizer)
 bumps the weight's version counter, and the model's forward recasts the copies whose weight changed
 (`WeightCopies.refresh`).

@@ -19,8 +19,8 @@ from torch import nn
 from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, context_parallel_layout, document_layout
-from .linear import WeightCopies
-from .linear_cross_entropy import LMHead
+from .linear import Linear, WeightCopies
+from .kernels.linear_cross_entropy import linear_cross_entropy_sum
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .init import init_weights
 from .moe import RouterStats, SparseMoE, load_balancing_loss
@@ -52,6 +52,24 @@ class Embedding(nn.Embedding):
         if self._vocab_parallel is not None:
             return self._vocab_parallel.embed(ids, self.weight)
         return super().forward(ids)
+
+
+class LMHead(Linear):
+    """The output projection: logits, or given labels the summed cross entropy above without them. The loss runs
+    inside this module's call so that FSDP's hooks, which gather the weight before it and reduce its gradient
+    after, frame it: the head is an FSDP unit of its own (parallel/parallelize.py)."""
+
+    _vocab_parallel = None  # the vocabulary-parallel exchange (parallel/vocab_parallel.py) when the weight is a slice
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024,
+                grad_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`grad_scale`: see linear_cross_entropy_sum; a hint, unused when vocabulary-parallel."""
+        if self._vocab_parallel is not None:
+            return self._vocab_parallel.head(h, self.weight, labels, chunk_tokens)
+        if labels is None:
+            return super().forward(h)
+        return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, grad_scale=grad_scale,
+                                        weight_copy=self.weight_copy)
 
 
 class DecoderLayer(nn.Module):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gated_delta_net_fp32 import Fp32ParamsModule, at_least_fp32
+from .fp32_contract import Fp32ParamsModule, at_least_fp32
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .args import Qwen35MoeArgs
-from .gated_delta_net_fp32 import (
+from .fp32_contract import (
     is_gated_delta_net_fp32_param_key,
     route_fp32_holder_key,
     strip_fp32_holder_key,

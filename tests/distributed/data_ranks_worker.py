@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import harness.data
-from harness.data import build_dataloader
-from harness.tokenizer import ByteTokenizer
+import harness.data.loader
+from harness.data.loader import build_dataloader
+from harness.data.tokenizer import ByteTokenizer
 
 
 def main(dataset: str, cache_dir: str, out: str, unit_bytes: str) -> None:
@@ -25,14 +25,14 @@ def main(dataset: str, cache_dir: str, out: str, unit_bytes: str) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    harness.data.UNIT_BYTES = int(unit_bytes)
-    units, read_unit = [], harness.data.read_unit
+    harness.data.loader.UNIT_BYTES = int(unit_bytes)
+    units, read_unit = [], harness.data.loader.read_unit
 
     def recording_read_unit(kind, unit, text_field="text"):
         units.append([unit.start, unit.stop])
         return read_unit(kind, unit, text_field)
 
-    harness.data.read_unit = recording_read_unit
+    harness.data.loader.read_unit = recording_read_unit
     try:
         loader = build_dataloader("jsonl", dataset, "text", ByteTokenizer(), 16, 2, dp_rank=rank, dp_world_size=world,
                                   cache_dir=cache_dir)

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import models.qwen35_moe.attention as attention
 from models.qwen35_moe import Qwen35MoeModel, get_flavor
-from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
+from models.qwen35_moe.fp32_contract import Fp32ParamsModule
 from parallel.parallelize import parallelize_qwen35_moe
 
 POSITION_STARTS = (32_000, 262_000)  # one row each

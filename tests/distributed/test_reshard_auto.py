@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.qwen35_moe import get_flavor
-from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
+from models.qwen35_moe.fp32_contract import Fp32ParamsModule
 from models.qwen35_moe.moe import RoutedExperts
 from tests.builders import initialized_model
 from tests.distributed.launch import REPO, run, torchrun

@@ -1,4 +1,4 @@
-"""The causal conv + SiLU kernel (causal_conv_kernel.py) against the float64 torch reference of the same bf16
+"""The causal conv + SiLU kernel (kernels/causal_conv_triton.py) against the float64 torch reference of the same bf16
 inputs, and against FLA's kernel, the implementation it replaced.
 
 Rows pack documents shorter and longer than the kernel width, and one row starts mid-document (its first
@@ -10,7 +10,7 @@ start moves values by O(1)."""
 import pytest
 import torch
 
-from models.qwen35_moe.causal_conv import causal_conv1d_qkv, torch_causal_conv1d
+from models.qwen35_moe.kernels.causal_conv import causal_conv1d_qkv, torch_causal_conv1d
 from models.qwen35_moe.documents import document_layout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA GPU")

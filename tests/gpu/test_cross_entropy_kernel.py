@@ -1,4 +1,4 @@
-"""The fused cross-entropy kernel (models/qwen35_moe/cross_entropy_kernel.py) and the CUDA chunked linear cross
+"""The fused cross-entropy kernel (models/qwen35_moe/kernels/cross_entropy_triton.py) and the CUDA chunked linear cross
 entropy built on it, against float64 references.
 
 The kernel reads bf16 logits and does fp32 math per element, as the torch path does after its upcast: its loss
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_moe.linear_cross_entropy import linear_cross_entropy_sum
+from models.qwen35_moe.kernels.linear_cross_entropy import linear_cross_entropy_sum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,7 +29,7 @@ def _labels(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def test_kernel_loss_and_gradient_equal_float64_softmax_of_the_same_logits():
-    from models.qwen35_moe.cross_entropy_kernel import cross_entropy_rows_
+    from models.qwen35_moe.kernels.cross_entropy_triton import cross_entropy_rows_
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(67, VOCAB, generator=g) * 4).to(torch.bfloat16).cuda()
@@ -102,8 +102,8 @@ def test_vocab_slices_combine_into_the_whole_vocabulary_loss_and_gradient():
     longer than a block, labels in each and at both ends) gives its statistics, `combine_slice_stats` makes the
     rows' log-sum-exp, and each slice writes its part of the gradient in place, through a strided view of the whole
     logits: together the float64 loss and gradient, as the one-kernel path gives them."""
-    from models.qwen35_moe.cross_entropy_kernel import softmax_grad_, vocab_slice_stats
-    from models.qwen35_moe.linear_cross_entropy import combine_slice_stats
+    from models.qwen35_moe.kernels.cross_entropy_triton import softmax_grad_, vocab_slice_stats
+    from models.qwen35_moe.kernels.linear_cross_entropy import combine_slice_stats
 
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(67, VOCAB, generator=g) * 4).to(torch.bfloat16).cuda()

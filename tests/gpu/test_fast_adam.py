@@ -1,4 +1,4 @@
-"""FastAdam's CUDA step (harness/fast_adam.py, one Triton kernel per parameter group) against a float64 Adam/AdamW
+"""FastAdam's CUDA step (harness/optim/fast_adam.py, one Triton kernel per parameter group) against a float64 Adam/AdamW
 written out here (torch's fused step on the same inputs printed alongside): three steps, with and without a
 gradient scale (the folded clipping), decay and no-decay groups, sizes that do not fill the kernel's last block;
 and a state that starts as torch's fused optimizer left it (a checkpoint from before FastAdam: its step counts
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from harness.fast_adam import FastAdam
+from harness.optim.fast_adam import FastAdam
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -177,7 +177,7 @@ def test_fast_adam_steps_a_group_in_one_launch_as_one_launch_per_parameter():
     step); that launch leaves bitwise what one launch per parameter leaves (the same arithmetic per value), over
     sizes that end mid-block, bf16 gradients and kept bf16 copies; vectorised (every address 16-byte aligned) and
     not (one gradient starts 2 bytes into its buffer, as a shard's gradient may)."""
-    from harness.adam_step_kernel import adam_steps_
+    from harness.optim.adam_step_triton import adam_steps_
 
     g = torch.Generator().manual_seed(1)
     shapes = SHAPES + [(4096, 3), (5,)]

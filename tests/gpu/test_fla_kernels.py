@@ -4,7 +4,7 @@ fed the same bf16-rounded inputs.
 Errors are relative in norm, ||fla - ref|| / ||ref||, over a whole tensor. bf16 outputs round by ~4e-3 relative
 and FLA keeps some intermediates in bf16, so results land near 5e-3 (measured on H100 / H200); 2e-2 is bf16
 level with margin, while a wrong reset, decay or gradient gives O(1). The per-head self-check that guards
-FLA's Hopper bypass is tested in tests/unit/test_fla_check.py and measured by benchmarks/fla_backward_errors.py.
+FLA's Hopper bypass is tested in tests/unit/test_fla_check.py and measured by benchmarks/tools/fla_backward_errors.py.
 
 Only bf16, at the head shapes of tests/gpu/test_model_cuda.py: FLA compiles its kernels once per shape, dtype
 and layout (~80-100 s each on a fresh H100 / H200 when it autotunes them; a few seconds with the configs
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_moe.fla_varlen import fla_chunk_indices
-from models.qwen35_moe.gated_delta_rule import (
+from models.qwen35_moe.kernels.fla_varlen import fla_chunk_indices
+from models.qwen35_moe.kernels.gated_delta_rule import (
     enable_fla_hopper_backward,
     gated_delta_rule,
     torch_chunk_gated_delta_rule,
@@ -93,8 +93,8 @@ def test_saved_states_function_is_bitwise_flas_own(layout):
     output and every gradient must be bitwise FLA's."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from models.qwen35_moe.fla_saved_states import SavedStatesGatedDeltaRule
-    from models.qwen35_moe.gated_delta_rule import _qk_per_value_head
+    from models.qwen35_moe.kernels.fla_saved_states import SavedStatesGatedDeltaRule
+    from models.qwen35_moe.kernels.gated_delta_rule import _qk_per_value_head
 
     enable_fla_hopper_backward(HK, HV, DK, DV, "cuda")
     if layout == "packed_documents":

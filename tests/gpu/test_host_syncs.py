@@ -3,7 +3,7 @@ document layout derived on the host (as the trainer does), torch's sync debug mo
 call (`.item()`, data-dependent output sizes like bincount or nonzero, blocking copies) in the model, the MoE
 dispatch, the varlen attention, FLA's kernels and the chunked cross entropy. (Left to itself, FLA 0.6 uploads
 the chunk index it derives from the host `cu_seqlens` with a blocking copy, once per step: we hand it the index,
-built on the host and copied from pinned memory, `models/qwen35_moe/fla_varlen.py`.)"""
+built on the host and copied from pinned memory, `models/qwen35_moe/kernels/fla_varlen.py`.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_forward_and_backward_make_no_host_sync():
-    from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward
+    from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward
 
     enable_fla_hopper_backward(ARGS.linear_num_key_heads, ARGS.linear_num_value_heads,
                                ARGS.linear_key_head_dim, ARGS.linear_value_head_dim, "cuda")

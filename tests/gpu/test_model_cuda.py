@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
-from models.qwen35_moe.gated_delta_rule import enable_fla_hopper_backward
+from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward
 from tests.builders import initialized_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""The fused MoE combine (models/qwen35_moe/moe_combine_kernel.py) against float64 references of the same bf16
+"""The fused MoE combine (models/qwen35_moe/kernels/moe_combine_triton.py) against float64 references of the same bf16
 inputs, and inside a compiled graph.
 
 The kernels sum in fp32 and round once: an fp32 output equals the float64 sum to fp32 rounding (a few terms), a
@@ -36,7 +36,7 @@ def _assert_rounded_once(ours: torch.Tensor, exact: torch.Tensor, summed: bool =
 
 @pytest.mark.parametrize("n,k,d", [(300, 8, 2096), (77, 3, 200)])
 def test_weighted_row_sum_and_its_gradients_equal_float64(n, k, d):
-    from models.qwen35_moe.moe_combine_kernel import weighted_row_sum
+    from models.qwen35_moe.kernels.moe_combine_triton import weighted_row_sum
 
     src, index, weights, grad_out = _inputs(n, k, d)
     src64 = src.double().requires_grad_()
@@ -62,7 +62,7 @@ def test_forward_sums_do_not_depend_on_the_tile_or_the_output_dtype():
     must give the bf16 path's outputs bitwise (tests/gpu/test_expert_parallel_cuda.py)."""
     import triton
 
-    from models.qwen35_moe.moe_combine_kernel import _weighted_row_sum, weighted_row_sum
+    from models.qwen35_moe.kernels.moe_combine_triton import _weighted_row_sum, weighted_row_sum
 
     n, k, d = 300, 8, 2096
     src, index, weights, _ = _inputs(n, k, d, seed=3)
@@ -79,7 +79,7 @@ def test_forward_sums_do_not_depend_on_the_tile_or_the_output_dtype():
 
 
 def test_row_group_sum_equals_float64_sum():
-    from models.qwen35_moe.moe_combine_kernel import row_group_sum
+    from models.qwen35_moe.kernels.moe_combine_triton import row_group_sum
 
     n, k, d = 300, 8, 2096
     src, index, _, _ = _inputs(n, k, d, seed=1)

@@ -1,4 +1,4 @@
-"""harness/adam_step_kernel.py's batched launch run by Triton's interpreter on CPU (TRITON_INTERPRET=1, in a
+"""harness/optim/adam_step_triton.py's batched launch run by Triton's interpreter on CPU (TRITON_INTERPRET=1, in a
 subprocess: the switch is read when Triton is imported). What CPU can check of the CUDA kernel is its plumbing:
 the address table, the block map, the unmasked full blocks and the unaligned variant. Parameters of sizes that end
 mid-block, fp32 and bf16 gradients (one starting mid-buffer), kept copies: one launch over all of them must equal
@@ -19,8 +19,8 @@ pytest.importorskip("triton")
 
 SCRIPT = r'''
 import torch
-from harness.adam_step_kernel import adam_steps_
-from harness.fast_adam import adam_step_torch_
+from harness.optim.adam_step_triton import adam_steps_
+from harness.optim.fast_adam import adam_step_torch_
 
 g = torch.Generator().manual_seed(0)
 shapes = [(3,), (1000, 7), (4097,), (2, 3, 5)]

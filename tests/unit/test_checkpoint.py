@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint import COMPLETE, step_folders
+from harness.checkpoint.checkpointer import COMPLETE, step_folders
 from harness.convert import main as convert_main
 from harness.train import main
 

@@ -213,7 +213,7 @@ def test_warmup_running_into_the_decay_window_is_rejected():
 
 def test_lr_never_jumps_over_an_accepted_schedule():
     """Every schedule the config accepts moves the lr by at most one warmup increment or one decay step."""
-    from harness.lr_schedule import lr_factor
+    from harness.optim.lr_schedule import lr_factor
 
     for steps, warmup, ratio in [(100, 20, 0.8), (100, 10, None), (50, 0, 0.5), (30, 29, 0.0), (10, 20, None)]:
         cfg = load_config(["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup),

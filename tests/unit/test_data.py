@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.data import IGNORE_INDEX, PrefetchingLoader, StreamPacker, build_dataloader
-from harness.data_sources import open_documents, read_unit, source_units
-from harness.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from harness.data.loader import IGNORE_INDEX, PrefetchingLoader, StreamPacker, build_dataloader
+from harness.data.sources import open_documents, read_unit, source_units
+from harness.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_CORPUS = REPO / "data" / "debug_corpus" / "train.jsonl"
@@ -44,7 +44,7 @@ def expected_stream(docs: list[str], tok) -> tuple[list[int], list[bool]]:
 
 
 def expected_rows(docs: list[str], tok, L: int) -> list[dict[str, list[int]]]:
-    """Every full row of the packed stream, written out from the contract (not from harness.data)."""
+    """Every full row of the packed stream, written out from the contract (not from harness.data.loader)."""
     tokens, starts = expected_stream(docs, tok)
     rows = []
     for k in range((len(tokens) - 1) // L):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.hf_weights import export_hf
-from harness.tokenizer import ByteTokenizer
+from harness.checkpoint.hf_weights import export_hf
+from harness.data.tokenizer import ByteTokenizer
 from models.qwen35_moe import from_pretrained, get_flavor
 from tests.builders import initialized_model
 from tests.hf_reference import force_transformers_torch_kernels

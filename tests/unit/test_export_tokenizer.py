@@ -12,8 +12,8 @@ import unicodedata
 import pytest
 import torch
 
-from harness.hf_weights import export_hf
-from harness.tokenizer import ByteTokenizer, HFTokenizer
+from harness.checkpoint.hf_weights import export_hf
+from harness.data.tokenizer import ByteTokenizer, HFTokenizer
 from models.qwen35_moe import get_flavor
 from tests.builders import initialized_model
 

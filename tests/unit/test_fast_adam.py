@@ -1,4 +1,4 @@
-"""FastAdam's torch-ops step (harness/fast_adam.py: every tensor its Triton kernel does not take: off CUDA, not
+"""FastAdam's torch-ops step (harness/optim/fast_adam.py: every tensor its Triton kernel does not take: off CUDA, not
 fp32, not contiguous) against torch's single-tensor Adam and AdamW: bit for bit, with a transposed (non-contiguous)
 parameter, decay and no-decay groups, and a gradient scale equal to dividing the gradients first. Its CUDA kernel
 is tested against a float64 Adam in tests/gpu/test_fast_adam.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.fast_adam import FastAdam
+from harness.optim.fast_adam import FastAdam
 
 
 def _run(make, scale: float | None = None, steps: int = 3) -> list[torch.Tensor]:

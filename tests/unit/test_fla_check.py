@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-import models.qwen35_moe.gated_delta_rule as gdr
-from models.qwen35_moe.gated_delta_rule import (
+import models.qwen35_moe.kernels.gated_delta_rule as gdr
+from models.qwen35_moe.kernels.gated_delta_rule import (
     FlaKernelsUnavailableError,
     enable_fla_hopper_backward,
     fla_check_failures,
@@ -88,7 +88,7 @@ def test_off_refuses_at_once_where_the_guard_fires(hopper_with_old_triton):
 
 
 def test_cuda_training_without_fla_installed_is_one_clear_error(monkeypatch):
-    from models.qwen35_moe.gated_delta_rule import require_fla
+    from models.qwen35_moe.kernels.gated_delta_rule import require_fla
 
     monkeypatch.setattr(gdr.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FlaKernelsUnavailableError, match=r"pip install -e '\.\[gpu\]'"):

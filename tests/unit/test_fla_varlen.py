@@ -1,10 +1,10 @@
-"""FLA's varlen chunk index built on the host (models/qwen35_moe/fla_varlen.py) against a loop over the documents
+"""FLA's varlen chunk index built on the host (models/qwen35_moe/kernels/fla_varlen.py) against a loop over the documents
 (on GPU it is also compared with FLA's own, tests/gpu/test_fla_kernels.py)."""
 
 import pytest
 import torch
 
-from models.qwen35_moe.fla_varlen import fla_chunk_indices, fla_varlen_args, uploaded_chunk_indices
+from models.qwen35_moe.kernels.fla_varlen import fla_chunk_indices, fla_varlen_args, uploaded_chunk_indices
 
 
 def chunk_rows(cu_seqlens: list[int], chunk_size: int) -> list[list[int]]:

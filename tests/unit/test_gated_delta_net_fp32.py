@@ -2,7 +2,7 @@
 
 import torch
 
-from models.qwen35_moe.gated_delta_net_fp32 import (
+from models.qwen35_moe.fp32_contract import (
     FP32_GDN_PARAM_NAMES,
     GDN_FP32_CHECKPOINT_ARCHITECTURES,
     HOLDER_NAME,

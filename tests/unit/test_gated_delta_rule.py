@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_moe.gated_delta_rule import (
+from models.qwen35_moe.kernels.gated_delta_rule import (
     gated_delta_rule,
     naive_recurrent_gated_delta_rule,
     torch_chunk_gated_delta_rule,

@@ -1,4 +1,4 @@
-"""Chunked linear cross entropy (models/qwen35_moe/linear_cross_entropy.py) against torch's cross entropy on the
+"""Chunked linear cross entropy (models/qwen35_moe/kernels/linear_cross_entropy.py) against torch's cross entropy on the
 whole logits: the loss and the gradients of the hidden states and of the weight, with ignored labels, chunk
 sizes that do not divide the token count, and through the model and the trainer's loss."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from models.qwen35_moe import Qwen35MoeArgs
-from models.qwen35_moe.linear_cross_entropy import linear_cross_entropy_sum
+from models.qwen35_moe.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from tests.builders import fp32_grad_tolerance, initialized_model
 
 

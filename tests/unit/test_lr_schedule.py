@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from harness.lr_schedule import build_lr_scheduler, lr_factor
+from harness.optim.lr_schedule import build_lr_scheduler, lr_factor
 
 
 def test_warmup_is_linear_and_never_zero():

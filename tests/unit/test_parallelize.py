@@ -40,7 +40,7 @@ def _assert_sharded_grads_match(sharded, plain):
 def _whole_param_names(model) -> set[str]:
     """What FSDP leaves whole on every rank: the GDN layers' fp32 parameters (docs/design.md, fp32 contract) and
     the final norm's weight."""
-    from models.qwen35_moe.gated_delta_net_fp32 import Fp32ParamsModule
+    from models.qwen35_moe.fp32_contract import Fp32ParamsModule
 
     return {"norm.weight", *(f"{name}.{pname}" for name, module in model.named_modules()
                              if isinstance(module, Fp32ParamsModule) for pname, _ in module.named_parameters())}
@@ -286,7 +286,7 @@ def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_
         model.load_state_dict(moved)
     assert_same()
     moved = {k: v - 0.02 * torch.randn_like(v) for k, v in cast.state_dict().items()}
-    for model in (cast, kept):  # the checkpointer's resume path (harness/checkpoint.py)
+    for model in (cast, kept):  # the checkpointer's resume path (harness/checkpoint/checkpointer.py)
         set_model_state_dict(model, moved)
     assert_same()
     for model in (cast, kept):
@@ -308,7 +308,7 @@ def test_kept_copies_holding_the_gradients_hold_the_casts_gradients_and_step_as_
     gradients are equal, the global norm (fp32 accumulation either way) lands within fp32 rounding, and one
     clipped FastAdam step (torch's ops on CPU, upcasting the bf16 gradient) leaves bitwise the same weights;
     zero_grad clears the copies' gradients."""
-    from harness.fast_adam import FastAdam
+    from harness.optim.fast_adam import FastAdam
     from models.qwen35_moe.linear import WeightCopies
     from parallel.grad_norm import clip_grad_norm_
     from parallel.parallelize import parallelize_qwen35_moe

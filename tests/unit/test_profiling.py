@@ -29,7 +29,7 @@ def test_traces_land_on_the_training_steps_that_are_multiples_of_profile_freq(tm
     import subprocess
     import sys
 
-    host = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_host.py"),
+    host = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tools" / "trace_host.py"),
                            str(traces / "iteration_6" / "rank0_trace.json")],
                           capture_output=True, text=True, check=True).stdout
     assert "up to the backward" in host and "(optimizer.step " in host and "(optimizer.step 0.0 ms)" not in host
@@ -44,7 +44,7 @@ def test_traces_land_on_the_training_steps_that_are_multiples_of_profile_freq(tm
 
 
 def test_trace_gaps_counts_idle_time_once_over_streams_and_names_the_launching_op(tmp_path):
-    """benchmarks/trace_gaps.py on a hand-made trace: kernels on two streams overlap (busy counted once), and the
+    """benchmarks/tools/trace_gaps.py on a hand-made trace: kernels on two streams overlap (busy counted once), and the
     idle time before a kernel goes to the host ops around its launch."""
     import subprocess
     import sys
@@ -63,14 +63,14 @@ def test_trace_gaps_counts_idle_time_once_over_streams_and_names_the_launching_o
               kernel(1000, 100, 2, 7)]  # 400 us idle before it, launched under FastAdam.step
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_gaps.py"), str(path)],
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tools" / "trace_gaps.py"), str(path)],
                          capture_output=True, text=True, check=True).stdout
     assert "GPU busy 0.6 ms of 1.0 ms traced; idle 0.4 ms in 1 gaps" in out
     assert "0.40 ms  Optimizer.step#FastAdam.step > cudaLaunchKernel" in out
 
 
 def test_trace_gaps_splits_the_compute_streams_idle_time_by_whether_a_collective_ran(tmp_path):
-    """benchmarks/trace_gaps.py's compute-stream view on a hand-made gzipped trace: stream 7 (the most kernels)
+    """benchmarks/tools/trace_gaps.py's compute-stream view on a hand-made gzipped trace: stream 7 (the most kernels)
     idles 0.5 ms while an NCCL kernel on stream 9 runs across the gap (FSDP's compute waiting on a gather; the
     GPU-wide view counts it busy) and 0.3 ms with no collective (waiting on the host); a 0.1 ms gap is below
     --min-gap 0.2 and not counted."""
@@ -89,7 +89,7 @@ def test_trace_gaps_splits_the_compute_streams_idle_time_by_whether_a_collective
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_gaps.py"), str(path),
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tools" / "trace_gaps.py"), str(path),
                           "--min-gap", "0.2"], capture_output=True, text=True, check=True).stdout
     assert ("compute stream 7: idle 0.8 ms in 2 gaps of >= 0.2 ms: 0.5 ms while a collective ran, 0.3 ms with "
             "none") in out
@@ -98,7 +98,7 @@ def test_trace_gaps_splits_the_compute_streams_idle_time_by_whether_a_collective
 
 
 def test_trace_gaps_counts_only_the_traced_steps_kernels(tmp_path):
-    """benchmarks/trace_gaps.py with the GPU's ProfilerStep range in the trace: the previous step's last kernel,
+    """benchmarks/tools/trace_gaps.py with the GPU's ProfilerStep range in the trace: the previous step's last kernel,
     which ran before the range, and the idle time after it are not this step's."""
     import subprocess
     import sys
@@ -111,13 +111,13 @@ def test_trace_gaps_counts_only_the_traced_steps_kernels(tmp_path):
               kernel("gemm", 1000, 200), kernel("norm", 1300, 200)]  # 100 us idle between them
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_gaps.py"), str(path)],
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tools" / "trace_gaps.py"), str(path)],
                          capture_output=True, text=True, check=True).stdout
     assert "GPU busy 0.4 ms of 0.5 ms traced; idle 0.1 ms in 1 gaps" in out
 
 
 def test_trace_breakdown_counts_the_traced_steps_kernels_by_family_and_the_change_against_a_base(tmp_path):
-    """benchmarks/trace_breakdown.py on two hand-made traces: only kernels inside the GPU's ProfilerStep range
+    """benchmarks/tools/trace_breakdown.py on two hand-made traces: only kernels inside the GPU's ProfilerStep range
     count (the previous step's optimizer kernel before it does not); FSDP's chunk_cat is not one of FLA's chunk_*
     kernels, nor cutlass's grouped GEMM a dense one; the base's families and the per-kernel change follow."""
     import subprocess
@@ -142,7 +142,7 @@ def test_trace_breakdown_counts_the_traced_steps_kernels_by_family_and_the_chang
     base = trace(tmp_path / "base.json", 0, [
         kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 2000), kernel("chunk_fwd_kernel_o", 2000, 300),
         kernel("_adam_step", 8000, 1600)])
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_breakdown.py"), ours, base],
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tools" / "trace_breakdown.py"), ours, base],
                          capture_output=True, text=True, check=True).stdout
     assert "traced step 10.0 ms on the GPU, kernels 5.4 ms; base 10.0 ms, kernels 3.9 ms" in out
     rows = {line[:24].strip(): line[24:].split() for line in out.splitlines() if line[:1] != " " and "  " in line}
@@ -182,7 +182,7 @@ def test_gpu_power_summary_counts_busy_samples_only():
 
 
 def test_trace_host_splits_the_steps_host_time_and_names_waits_hooks_and_exclusive_time(tmp_path):
-    """benchmarks/trace_host.py on a hand-made trace: the step's host range (100 ms; the GPU's starts 20 ms later)
+    """benchmarks/tools/trace_host.py on a hand-made trace: the step's host range (100 ms; the GPU's starts 20 ms later)
     split at the first and last backward op (on the autograd thread, 2); the wait in a gloo collective and the
     sync after the step; FSDP's outermost hooks only (the all-gather nested in pre_forward is not counted twice);
     exclusive times with children taken out (chunk_cat's 4 ms less its 0.5 ms allocation); an op after the step
@@ -210,7 +210,7 @@ def test_trace_host_splits_the_steps_host_time_and_names_waits_hooks_and_exclusi
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_host.py"), str(path), "--top", "3"],
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tools" / "trace_host.py"), str(path), "--top", "3"],
                          capture_output=True, text=True, check=True).stdout
     lines = [line.strip() for line in out.splitlines()]
     assert lines[0].endswith("ProfilerStep#6, host 100.0 ms, GPU 90.0 ms")

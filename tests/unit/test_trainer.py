@@ -160,7 +160,7 @@ def test_validation_loss_is_the_token_mean_over_the_same_held_out_rows_each_time
     set (reached through the loader, so the same rows), and two validations see the same rows."""
     import torch.nn.functional as F
 
-    from harness.data import build_dataloader
+    from harness.data.loader import build_dataloader
     from harness.trainer import Trainer
 
     cfg = load_config(["--config", CONFIG, *FAST, "--job.dump_folder", str(tmp_path / "out"),
@@ -187,13 +187,13 @@ def test_validation_loss_is_the_token_mean_over_the_same_held_out_rows_each_time
 def test_a_tiny_dataset_does_not_log_every_epoch(tmp_path, caplog):
     import logging
 
-    from harness.data import build_dataloader
-    from harness.tokenizer import ByteTokenizer
+    from harness.data.loader import build_dataloader
+    from harness.data.tokenizer import ByteTokenizer
 
     corpus = tmp_path / "tiny.jsonl"
     corpus.write_text('{"text": "' + "x" * 300 + '"}\n')  # ~300 tokens: 4 rows of 64, then it wraps
     loader = build_dataloader("jsonl", str(corpus), "text", ByteTokenizer(), 64, 1, cache_dir=str(tmp_path / "c"))
-    with caplog.at_level(logging.INFO, logger="harness.data"):
+    with caplog.at_level(logging.INFO, logger="harness.data.loader"):
         for _ in range(4 * 100):  # 100 epochs
             next(loader)
     epoch_lines = [r for r in caplog.records if "epoch" in r.getMessage()]

@@ -1,6 +1,6 @@
 """Where the GPU waits for the host, from a torch.profiler chrome trace (`--profiling.enable_profiling true`).
 
-    python benchmarks/trace_gaps.py <dump_folder>/profile_traces/iteration_N/rank0_trace.json
+    python benchmarks/tools/trace_gaps.py <dump_folder>/profile_traces/iteration_N/rank0_trace.json
 
 Prints the GPU's busy time (the union over streams) against the traced span, the idle gaps by size, and the idle
 time before each kernel attributed to the host ops that launched it (outermost two, and innermost non-aten one):

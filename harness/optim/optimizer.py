@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import Optimizer as OptimizerConfig
+from ..config import Optimizer as OptimizerConfig
 from .fast_adam import FastAdam
 
 

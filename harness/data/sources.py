@@ -10,7 +10,7 @@ Kinds:
   jsonl    a .jsonl file or a folder of them; each non-empty line is a JSON object holding `text_field`
   parquet  a .parquet file or a folder of them; the `text_field` column (needs pyarrow)
   hf       a Hugging Face `datasets` name, streamed from split "train" (needs datasets and hub access)
-Errors name the file and line at fault. Packing the documents into rows is harness/data.py's job.
+Errors name the file and line at fault. Packing the documents into rows is harness/data/loader.py's job.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 
 out[t] = silu(sum_{j<W} weight[:, W-1-j] * x[t-j]), taps before the start of t's document (or row) being zero.
 `causal_conv1d_qkv` returns the output's channels split into q, k and v: on CUDA from our Triton kernel
-(causal_conv_kernel.py: each part contiguous, as FLA's delta rule takes them), elsewhere from
+(kernels/causal_conv_triton.py: each part contiguous, as FLA's delta rule takes them), elsewhere from
 `torch_causal_conv1d`, the reference.
 """
 
 import torch
 import torch.nn.functional as F
 
-from .documents import document_starts
+from ..documents import document_starts
 
 
 def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None):
@@ -20,7 +20,7 @@ def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None):
     (B, T, part) in x's dtype."""
     if x.device.type != "cuda" or weight.shape[-1] > 4:  # the kernel keeps one accumulator per tap, up to 4
         return torch_causal_conv1d(x, weight, cu_seqlens).split(list(parts), dim=-1)
-    from .causal_conv_kernel import causal_conv_silu_qkv  # lazy: Triton needs a GPU
+    from .causal_conv_triton import causal_conv_silu_qkv  # lazy: Triton needs a GPU
 
     tokens = x.shape[:-1]
     history = document_history(position_ids, weight.shape[-1])

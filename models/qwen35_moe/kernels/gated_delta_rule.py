@@ -184,7 +184,7 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None):
 # H100 / H200), and these are the kernels the run then uses.
 FLA_CHECK_CASES = ((0, 64), (0, 300, 600), (0, 117, 130, 700, 1000))
 # Bounds on the two statistics of `fla_gated_delta_rule_errors`, set from FLA's bf16 kernels measured on an H200
-# (torch 2.11, Triton 3.6, guard bypassed; benchmarks/fla_backward_errors.py) at the 35B-A3B and test head shapes:
+# (torch 2.11, Triton 3.6, guard bypassed; benchmarks/tools/fla_backward_errors.py) at the 35B-A3B and test head shapes:
 # - error (per-head max |FLA - ref| / max |ref|): bf16 outputs alone round by up to 2^-8 = 3.9e-3 of a head's
 #   largest element and FLA's bf16 intermediates add to it: measured 4.6e-3 .. 1.1e-2 over all gradients.
 #   The bound (4.5x that) catches gross errors - a wrong tile, sign or reset - which is what the Triton bug gives.

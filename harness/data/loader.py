@@ -1,6 +1,6 @@
 """Training data: packed rows with document boundaries from a tokenized cache (or a stream), DP dealing, resume.
 
-Documents come from harness/data_sources.py (local text / jsonl / parquet files, or a Hugging Face stream).
+Documents come from harness/data/sources.py (local text / jsonl / parquet files, or a Hugging Face stream).
 
 The trainer calls `build_dataloader`, on every rank of the world when torch.distributed is initialized. Its
 batches are dicts of (batch_size, seq_len) int64 tensors: input_ids, labels, position_ids.
@@ -16,7 +16,7 @@ Packing, the contract the model relies on (docs/design.md, "Packed documents"):
     start (GDN state, conv history and attention reset there), the usual cost of packing without padding.
 
 Local sources (text, jsonl, parquet) are tokenized once into a memory-mapped cache under `cache_dir`
-(harness/token_cache.py: key, layout, atomic build). The build is shared: each file is cut into work units
+(harness/data/token_cache.py: key, layout, atomic build). The build is shared: each file is cut into work units
 (byte ranges of UNIT_BYTES at document boundaries, parquet row groups) that depend on the files only, and
 rank r of W tokenizes units r, r + W, ... So no rank parses documents it does not tokenize.
 Rows are then global, fixed by the cache, whatever the number of ranks: global micro-batch m holds rows
@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from . import token_cache
-from .data_sources import SOURCE_SUFFIXES, check_source, hf_documents, read_unit, source_files, source_units
+from .sources import SOURCE_SUFFIXES, check_source, hf_documents, read_unit, source_files, source_units
 from .token_cache import TokenCache
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def _source_identity(kind: str, files: list[Path], text_field: str) -> dict:
 
 
 def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir: str | Path) -> TokenCache:
-    """The token cache of a local source, built first if absent (collective: see harness/token_cache.py)."""
+    """The token cache of a local source, built first if absent (collective: see harness/data/token_cache.py)."""
     def list_units():
         files = source_files(Path(path), SOURCE_SUFFIXES[kind])
         return _source_identity(kind, files, text_field), source_units(kind, files, UNIT_BYTES)

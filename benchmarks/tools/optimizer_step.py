@@ -1,7 +1,7 @@
-"""The optimizer step alone: FastAdam (harness/fast_adam.py, one Triton launch per parameter group) against torch's
+"""The optimizer step alone: FastAdam (harness/optim/fast_adam.py, one Triton launch per parameter group) against torch's
 fused and foreach AdamW, on the fp32 parameters of the benchmark model (35B-A3B widths; 8 layers and 32 experts: 2.1B).
 
-    python benchmarks/optimizer_step.py --layers 8 --experts 32
+    python benchmarks/tools/optimizer_step.py --layers 8 --experts 32
 
 Prints milliseconds per step and the bandwidth it streams at (28 bytes per parameter: parameter, gradient and two
 moments read, three written), and FastAdam's speed-up over each; all in one process. Needs CUDA.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from bench_model import bench_args, cuda_median_ms  # noqa: E402
-from harness.fast_adam import FastAdam  # noqa: E402
+from harness.optim.fast_adam import FastAdam  # noqa: E402
 from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
 
 

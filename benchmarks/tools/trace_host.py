@@ -1,6 +1,6 @@
 """Where a traced step's host time goes, from torch.profiler chrome traces (`--profiling.enable_profiling true`).
 
-    python benchmarks/trace_host.py <dump_folder>/profile_traces/iteration_N/rank*_trace.json
+    python benchmarks/tools/trace_host.py <dump_folder>/profile_traces/iteration_N/rank*_trace.json
 
 A step whose GPU waits for its host (trace_gaps.py says when) is made faster by taking host work away. Per trace:
 the traced step's host span (`ProfilerStep#N` on the thread that ran it) split into the forward (up to the first

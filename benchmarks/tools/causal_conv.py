@@ -1,8 +1,8 @@
-"""Gated DeltaNet's causal conv + SiLU alone: our kernel (models/qwen35_moe/causal_conv_kernel.py, q, k and v
+"""Gated DeltaNet's causal conv + SiLU alone: our kernel (models/qwen35_moe/kernels/causal_conv_triton.py, q, k and v
 written as separate contiguous tensors) against FLA's (one (T, C) output whose q, k and v views FLA's delta rule
 copies to contiguous tensors, counted here, as is the concatenation of their gradients in backward).
 
-    python benchmarks/causal_conv.py                    # 35B-A3B's layer: 2 x 4096 tokens, 2048 + 2048 + 4096
+    python benchmarks/tools/causal_conv.py                    # 35B-A3B's layer: 2 x 4096 tokens, 2048 + 2048 + 4096
 
 Packed rows (documents of 1,000 tokens); bf16. Prints the GPU time (the kernels' summed durations) forward and
 forward + backward, the bandwidth that would be if x, y, dy and dx moved once, and the speed-up; all in one
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from models.qwen35_moe.causal_conv import causal_conv1d_qkv  # noqa: E402
+from models.qwen35_moe.kernels.causal_conv import causal_conv1d_qkv  # noqa: E402
 from models.qwen35_moe.documents import document_layout  # noqa: E402
 
 

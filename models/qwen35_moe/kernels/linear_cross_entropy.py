@@ -8,7 +8,7 @@ are kept for backward, in fp32 (tokens x hidden, and the weight's shape accumula
 memory is one chunk's logits. No recompute: the backward only scales the stored gradients.
 
 On CUDA with half-precision logits a chunk's loss and logits' gradient come from one Triton kernel
-(cross_entropy_kernel.py: the same fp32 math per element, the gradient written in place of the bf16 logits, no
+(kernels/cross_entropy_triton.py: the same fp32 math per element, the gradient written in place of the bf16 logits, no
 fp32 copy), and the weight's gradient is accumulated by GEMMs with fp32 output. Elsewhere (CPU, fp32 or fp64
 logits) plain torch ops compute the same, the reference the kernel is tested against.
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta_net_fp32 import at_least_fp32
-from .linear import Linear
+from ..fp32_contract import at_least_fp32
 
 IGNORE_INDEX = -100
 
@@ -43,7 +42,7 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wan
     if vocab is not None:
         return _slice_chunk_loss(logits, labels, want_grads, h.dtype, vocab)
     if _use_kernel(logits):  # one fused kernel, same fp32 math
-        from .cross_entropy_kernel import cross_entropy_rows_
+        from .cross_entropy_triton import cross_entropy_rows_
 
         loss = cross_entropy_rows_(logits, labels, IGNORE_INDEX, write_grad=want_grads, grad_scale=grad_scale)
         return loss, logits if want_grads else None
@@ -88,7 +87,7 @@ def _slice_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grads: bo
     statistics are combined by `vocab.combine` into the whole vocabulary's log-sum-exp and label logit."""
     kernel = _use_kernel(logits)
     if kernel:
-        from .cross_entropy_kernel import softmax_grad_, vocab_slice_stats
+        from .cross_entropy_triton import softmax_grad_, vocab_slice_stats
 
         stats = vocab_slice_stats(logits, labels, vocab.start)
     else:
@@ -230,21 +229,3 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
         return _LinearCrossEntropy.apply(h, weight, labels, chunk, vocab, grad_scale, weight_copy)
     w = _in_dtype(weight, weight_copy, h.dtype)
     return _chunked(h, w, labels, chunk, False, vocab)[0]
-
-
-class LMHead(Linear):
-    """The output projection: logits, or given labels the summed cross entropy above without them. The loss runs
-    inside this module's call so that FSDP's hooks, which gather the weight before it and reduce its gradient
-    after, frame it: the head is an FSDP unit of its own (parallel/parallelize.py)."""
-
-    _vocab_parallel = None  # the vocabulary-parallel exchange (parallel/vocab_parallel.py) when the weight is a slice
-
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024,
-                grad_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """`grad_scale`: see linear_cross_entropy_sum; a hint, unused when vocabulary-parallel."""
-        if self._vocab_parallel is not None:
-            return self._vocab_parallel.head(h, self.weight, labels, chunk_tokens)
-        if labels is None:
-            return super().forward(h)
-        return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, grad_scale=grad_scale,
-                                        weight_copy=self.weight_copy)

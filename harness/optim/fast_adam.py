@@ -1,9 +1,9 @@
-"""torch's Adam/AdamW with a CUDA step of one Triton kernel for all parameters (adam_step_kernel.py).
+"""torch's Adam/AdamW with a CUDA step of one Triton kernel for all parameters (adam_step_triton.py).
 
 On an H200, over the 2.1B fp32 parameters of benchmarks/hf_baseline.py's 8-layer model, torch's fused AdamW
 (multi_tensor_apply) took 17.6-18.2 ms alone (3.3 TB/s) and 35-41 ms inside a profiled training step; this kernel,
 one plain elementwise pass over every parameter in one launch, 15.0-15.3 ms (3.9 TB/s), where a launch per parameter
-took 18.1-23.0 ms on the same machines, bound by the host (benchmarks/optimizer_step.py).
+took 18.1-23.0 ms on the same machines, bound by the host (benchmarks/tools/optimizer_step.py).
 The math, the state (step, exp_avg, exp_avg_sq) and so the state dict and checkpoints are torch's. `grad_scale`
 (a device scalar every gradient is divided by as it is read, as in torch's fused step) carries the gradient
 clipping without a pass of its own (parallel/grad_norm.py). Tensors the kernel does not take (off CUDA, not fp32,
@@ -96,20 +96,20 @@ class FastAdam(torch.optim.Adam):
             self.weight_copies.zero_grad()
 
 
-# The kernel's 128-bit loads need every address of a launch to be a multiple of this many bytes: adam_step_kernel.py
+# The kernel's 128-bit loads need every address of a launch to be a multiple of this many bytes: adam_step_triton.py
 # promises it to the compiler only where a launch's addresses all are, and FastAdam launches the others apart.
 KERNEL_ALIGNMENT = 16
 
 
 def fits_kernel_dtypes(param, grad, exp_avg, exp_avg_sq) -> bool:
-    """The kernel's dtypes (adam_step_kernel.py checks its inputs with this too): fp32, the gradient also bf16 or
+    """The kernel's dtypes (adam_step_triton.py checks its inputs with this too): fp32, the gradient also bf16 or
     fp16 (a weight copy's)."""
     return (all(t.dtype == torch.float32 for t in (param, exp_avg, exp_avg_sq))
             and grad.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def _triton_steps():
-    from .adam_step_kernel import adam_steps_  # lazy: Triton needs a GPU, and CPU installs may lack it
+    from .adam_step_triton import adam_steps_  # lazy: Triton needs a GPU, and CPU installs may lack it
 
     return adam_steps_
 

@@ -1,7 +1,7 @@
 """Where a traced step's GPU time goes, by kernel family, from torch.profiler chrome traces
 (`--profiling.enable_profiling true`); given a second trace, what changed between the two.
 
-    python benchmarks/trace_breakdown.py <dump_folder>/profile_traces/iteration_N/rank0_trace.json [BASE_TRACE]
+    python benchmarks/tools/trace_breakdown.py <dump_folder>/profile_traces/iteration_N/rank0_trace.json [BASE_TRACE]
 
 Only the kernels of the traced step count: those that ran inside the step's range on the GPU (the profiler's
 `ProfilerStep#N` as the GPU ran it). A trace also holds the previous step's last kernels, which the GPU ran while

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .documents import to_device
+from ..documents import to_device
 
 FLA_CHUNK_SIZE = 64  # the chunk size of FLA 0.6's chunk_gated_delta_rule and causal_conv1d
 

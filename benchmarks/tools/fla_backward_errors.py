@@ -1,7 +1,7 @@
 """How far FLA's gated delta rule (bf16, Hopper guard bypassed) lands from the float64 reference fed the same
 bf16 inputs: the measurement behind FLA_CHECK_ERROR_BOUND / FLA_CHECK_BIAS_BOUND in gated_delta_rule.py.
 
-    python benchmarks/fla_backward_errors.py [35B-A3B gpu-tests 397B-A17B]
+    python benchmarks/tools/fla_backward_errors.py [35B-A3B gpu-tests 397B-A17B]
 
 For each head shape: the two statistics of `fla_gated_delta_rule_errors` (worst per-head error / bias) per check
 case and over all cases with the time of that first check (FLA compiles and autotunes its kernels for the
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.qwen35_moe.gated_delta_rule import (  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+from models.qwen35_moe.kernels.gated_delta_rule import (  # noqa: E402
     FLA_CHECK_BIAS_BOUND, FLA_CHECK_CASES, FLA_CHECK_ERROR_BOUND, fla_check_failures, fla_gated_delta_rule_errors,
     fla_hopper_guard_fires, gated_delta_rule, torch_chunk_gated_delta_rule)
 from tests.fault_injection import kernel_with_wrong_dg  # noqa: E402
