@@ -6,8 +6,11 @@
 
 Each round runs every variant once, in order, each in a fresh process (`train_throughput.py`, whose median
 tokens/s per device over the steps after `--warmup` is the variant's figure for the round). A variant is
-NAME[@GPUS]=OVERRIDES: GPUS > 1 runs it under torchrun (FSDP over that many GPUs; the figure is per GPU), and
-OVERRIDES are trainer flags added after the shared ones given after `--`. The report gives each variant's figures,
+NAME[@GPUS][:TREE]=OVERRIDES: GPUS > 1 runs it under torchrun (FSDP over that many GPUs; the figure is per GPU),
+TREE runs another checkout's code (its benchmarks/train_throughput.py, e.g. a `git worktree add /tmp/old COMMIT`),
+and OVERRIDES are trainer flags added after the shared ones given after `--`. Code against code:
+
+    python benchmarks/alternate.py --variant main= --variant old:/tmp/old= -- --compile.enable true The report gives each variant's figures,
 peak memory and ratio to the first variant, paired round by round. Why alternate: the same code ran 2-4% apart on
 two H200 machines (FSDP=2 over one GPU: 86% on one machine, 93% on others), while changes worth keeping were
 ~1.5%; only pairs run back to back on one machine resolved them. Exits non-zero if any run failed.
@@ -30,7 +33,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from bench_model import run_figures  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent / "train_throughput.py"
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path("benchmarks") / "train_throughput.py"  # in the variant's tree
 
 
 @dataclass
@@ -38,17 +42,21 @@ class Variant:
     name: str
     gpus: int
     overrides: list[str]
+    tree: Path = REPO
 
 
 def parse_variant(spec: str) -> Variant:
-    match = re.fullmatch(r"(?P<name>[\w.+-]+)(@(?P<gpus>\d+))?=(?P<overrides>.*)", spec)
+    match = re.fullmatch(r"(?P<name>[\w.+-]+)(@(?P<gpus>\d+))?(:(?P<tree>[^=]+))?=(?P<overrides>.*)", spec)
     if match is None:
-        raise SystemExit(f"--variant {spec!r}: expected NAME[@GPUS]=OVERRIDES, e.g. 'full=--activation_checkpoint.mode "
-                         f"full' or 'fsdp@2='")
+        raise SystemExit(f"--variant {spec!r}: expected NAME[@GPUS][:TREE]=OVERRIDES, e.g. 'full=--activation_checkpoint"
+                         f".mode full', 'fsdp@2=' or 'old:/tmp/old='")
     gpus = int(match["gpus"] or 1)
     if gpus < 1:
         raise SystemExit(f"--variant {spec!r}: GPUS must be at least 1")
-    return Variant(match["name"], gpus, shlex.split(match["overrides"]))
+    tree = Path(match["tree"]).resolve() if match["tree"] else REPO
+    if not (tree / SCRIPT).is_file():
+        raise SystemExit(f"--variant {spec!r}: {tree / SCRIPT} does not exist; TREE must be a checkout of this project")
+    return Variant(match["name"], gpus, shlex.split(match["overrides"]), tree)
 
 
 def alternate(variants: list[Variant], rounds: int, run: Callable[[Variant, int], dict | None]) -> dict[str, list]:
@@ -105,11 +113,12 @@ def main() -> int:
         work = Path(args.work) / f"{variant.name}-{index}"
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(variant.gpus)]
                     if variant.gpus > 1 else [sys.executable])
-        command = [*launcher, str(SCRIPT), "--layers", str(args.layers), "--experts", str(args.experts), "--flavor",
+        command = [*launcher, str(variant.tree / SCRIPT), "--layers", str(args.layers), "--experts", str(args.experts), "--flavor",
                    args.flavor, "--steps", str(args.steps), "--warmup", str(args.warmup), "--work", str(work), "--",
                    *args.shared, *variant.overrides]
         print(f"round {index + 1}/{args.rounds}: {variant.name}: {shlex.join(command)}", flush=True)
-        done = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        done = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=variant.tree)
         metrics = work / "out" / "metrics.jsonl"
         figures = run_figures(metrics, args.warmup) if done.returncode == 0 and metrics.exists() else None
         if figures is None:

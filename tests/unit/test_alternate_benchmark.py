@@ -27,7 +27,10 @@ def test_variant_specs_name_gpus_and_overrides():
                                                          "--metrics.log_freq", "10"])
     v = alternate.parse_variant("fsdp@2=")
     assert (v.name, v.gpus, v.overrides) == ("fsdp", 2, [])
-    for bad in ("no equals sign", "x@0=", "@2=--a b"):
+    assert v.tree == REPO
+    v = alternate.parse_variant(f"old@2:{REPO}=--x 1")  # another checkout: here, the repository itself
+    assert (v.name, v.gpus, v.tree, v.overrides) == ("old", 2, REPO, ["--x", "1"])
+    for bad in ("no equals sign", "x@0=", "@2=--a b", f"old:{REPO / 'docs'}="):
         with pytest.raises(SystemExit):
             alternate.parse_variant(bad)
 
