@@ -75,7 +75,7 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
-    if False:  # one GPU: weights read from kept copies, not cast (linear.py)
+    if on_gpu and model.compute_dtype is not None:  # one GPU: weights read from kept copies, not cast (linear.py)
         # One backward per step: the gradients stay in the copies' bf16, which then holds them exactly.
         model.weight_copies = WeightCopies(model, model.compute_dtype, grads_in_copies=grad_accum_steps == 1)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"

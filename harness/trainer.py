@@ -196,7 +196,7 @@ class Trainer:
             torch.distributed.all_reduce(losses)
         max_norm = self.cfg.training.max_norm
         # FastAdam (the optimizer on CUDA) applies the clipping as it reads the gradients: no pass of its own
-        scales = self.device.type == "cuda"  # torch's fused step takes grad_scale
+        scales = isinstance(self.optimizer, FastAdam)
         copies = self.model.weight_copies  # one GPU: some gradients may be held by the weights' bf16 copies
         holders = [*self.model.parameters(), *(copies.gradient_holders() if copies is not None else ())]
         grad_norm = clip_grad_norm_(holders, math.inf if max_norm is None else max_norm,

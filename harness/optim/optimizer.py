@@ -17,9 +17,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Adam applies weight_decay as an L2 term in the gradient, AdamW decoupled from it.
-    if device.type == "cuda":  # A/B variant: torch's fused step, no kept weight copies
-        cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-        return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    if device.type == "cuda":
+        return FastAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                        decoupled_weight_decay=cfg.name == "AdamW",
+                        weight_copies=getattr(model, "weight_copies", None))  # one GPU: kept bf16 copies
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     # foreach=None, torch's default: its single-tensor step on CPU (the same math). The foreach step cannot take
     # plain tensors next to DTensors in one call, and under FSDP the GDN layers' fp32 parameters are plain
