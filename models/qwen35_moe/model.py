@@ -20,7 +20,7 @@ from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, context_parallel_layout, document_layout
 from .linear import Linear, WeightCopies
-from .kernels.linear_cross_entropy import _in_dtype, linear_cross_entropy_sum
+from .kernels.linear_cross_entropy import linear_cross_entropy_sum
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .init import init_weights
 from .moe import RouterStats, SparseMoE, load_balancing_loss
@@ -68,12 +68,6 @@ class LMHead(Linear):
             return self._vocab_parallel.head(h, self.weight, labels, chunk_tokens)
         if labels is None:
             return super().forward(h)
-        if h.is_cuda and torch.is_grad_enabled():  # A/B variant: FLA's fused linear cross entropy
-            from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
-
-            chunks = max(1, -(-h.shape[0] // chunk_tokens))  # FLA's chunks of next_pow2(N / chunks) tokens
-            return fused_linear_cross_entropy_loss(h, labels, _in_dtype(self.weight, self.weight_copy, h.dtype),
-                                                   reduction="sum", num_chunks=chunks)
         return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, grad_scale=grad_scale,
                                         weight_copy=self.weight_copy)
 
