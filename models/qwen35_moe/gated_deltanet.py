@@ -103,7 +103,7 @@ class CPAwareGatedDeltaNet(nn.Module):
         w_qkv = _rows(weight_in(self.in_proj_qkv, "weight", x.dtype), qkv_rows, groups)
         w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups).to(x.dtype)
         q, k, v = causal_conv1d_qkv(F.linear(x, w_qkv), w_conv, (hk * dk, hk * dk, hv * dv), layout.position_ids,
-                                    cu_seqlens, cu_seqlens_cpu)  # each (b, t, part)
+                                    cu_seqlens)  # each (b, t, part)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
         beta = F.linear(x, _rows(weight_in(self.in_proj_b, "weight", x.dtype), [heads], groups)).sigmoid()  # (b, t, hv)
         a = F.linear(x, _rows(weight_in(self.in_proj_a, "weight", x.dtype), [heads], groups))

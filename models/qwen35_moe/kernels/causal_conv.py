@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..documents import document_starts
 
 
-def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None, cu_seqlens_cpu=None):
+def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None):
     """x (B, T, C); weight (C, W) (HF's conv1d.weight (C, 1, W) squeezed); parts: the channels of q, k and v
     (summing to C); position_ids: each token's position in its document, (B, T) or any shape of B * T tokens
     whose last dimension is the row length (a row always starts a document); cu_seqlens: the same documents over
@@ -20,8 +20,6 @@ def causal_conv1d_qkv(x, weight, parts, position_ids, cu_seqlens=None, cu_seqlen
     (B, T, part) in x's dtype."""
     if x.device.type != "cuda" or weight.shape[-1] > 4:  # the kernel keeps one accumulator per tap, up to 4
         return torch_causal_conv1d(x, weight, cu_seqlens).split(list(parts), dim=-1)
-    if True:  # A/B variant: FLA's causal conv (split views of its output)
-        return _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu).split(list(parts), dim=-1)
     from .causal_conv_triton import causal_conv_silu_qkv  # lazy: Triton needs a GPU
 
     tokens = x.shape[:-1]
@@ -63,13 +61,3 @@ def torch_causal_conv1d(x, weight, cu_seqlens=None):
     y = sum(F.pad(xf, (0, 0, j, 0))[:, :T] * (pos >= j)[:, None] * wf[:, W - 1 - j]  # tap j reads x[t-j]
             for j in range(W))                                        # (B, T, D)
     return F.silu(y).to(x.dtype)
-
-
-@torch.compiler.disable  # one graph break under compile, as the FLA call in gated_delta_rule.py
-def _fla_causal_conv1d(x, weight, cu_seqlens, cu_seqlens_cpu):
-    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # lazy: needs triton and a GPU
-
-    from .fla_varlen import fla_varlen_args
-
-    y, _ = fla_causal_conv1d(x, weight, activation="silu", **fla_varlen_args(cu_seqlens, cu_seqlens_cpu, x.device))
-    return y.to(x.dtype)
