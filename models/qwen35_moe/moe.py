@@ -60,7 +60,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        if False:  # A/B variant: plain torch instead of moe_combine_kernel
+        if ctx.group > 1 and _grouped_path(grad):
             from .kernels.moe_combine_triton import row_group_sum
             return row_group_sum(grad.contiguous(), inverse, ctx.group), None, None, None
         grad = grad.index_select(0, inverse)
@@ -187,7 +187,7 @@ def combine_expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     slot_at = inverse_permutation(order)  # where each assignment landed
     x_sorted = gather_rows(x, order // top_k, slot_at, top_k)  # (N * k, D)
     routed = run_experts(x_sorted, counts)
-    if False:  # A/B variant: plain torch instead of moe_combine_kernel
+    if _grouped_path(routed):
         from .kernels.moe_combine_triton import weighted_row_sum
         return weighted_row_sum(routed.contiguous(), slot_at, weights, out_dtype or x.dtype)
     per_slot = gather_rows(routed, slot_at, order).view(num_tokens, top_k, -1)  # (N, k, D)
