@@ -36,10 +36,10 @@ from bench_model import bench_args, cuda_median_ms  # noqa: E402
 from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
 from models.qwen35_moe.kernels.causal_conv import torch_causal_conv1d  # noqa: E402
 from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward, torch_chunk_gated_delta_rule  # noqa: E402
-from models.qwen35_moe.documents import context_parallel_layout, document_layout  # noqa: E402
+from models.qwen35_moe.documents import document_layout  # noqa: E402
+from models.qwen35_moe.hooks import ParallelHooks  # noqa: E402
 from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet  # noqa: E402
 from parallel.context_parallel import CPContext, shard_zigzag  # noqa: E402
-from parallel.parallelize import apply_context_parallel  # noqa: E402
 
 
 def packed_positions(seq: int, cp: int) -> torch.Tensor:
@@ -108,7 +108,7 @@ def check(ns) -> None:
     cp1_grads = cp1_grads.cpu()
 
     mesh = init_device_mesh(device, (cp,), mesh_dim_names=("cp",))
-    apply_context_parallel(bf16, mesh)
+    bf16.set_parallel_hooks(ParallelHooks(context_parallel=CPContext(mesh)))
     shard = lambda t: shard_zigzag(t, cp, rank)  # noqa: E731
     cp2_loss, cp2_grads = loss_and_grads(bf16, shard(ids), shard(positions), shard(labels), ns.seq, mesh.get_group())
     cp2_grads = cp2_grads.cpu()
@@ -197,9 +197,9 @@ def layer(ns) -> None:
     ref_out = gdn(x, whole).detach()
 
     mesh = init_device_mesh("cuda", (cp,), mesh_dim_names=("cp",))
-    gdn._cp = CPContext(mesh)
-    index = gdn._cp.token_index(ns.seq, "cuda")
-    layout = context_parallel_layout(shard_zigzag(positions, cp, rank), positions, index)
+    context = CPContext(mesh)
+    gdn.set_parallel_hooks(ParallelHooks(context_parallel=context))
+    layout = context.rows_layout(positions)
     x_local, dy_local = shard_zigzag(x, cp, rank), shard_zigzag(dy, cp, rank)
     ms_ours = timed(lambda: step(lambda t: gdn(t, layout), x_local, dy_local), ns.repeats)
     report(f"layer: ours timed ({ms_ours:.2f} ms)")

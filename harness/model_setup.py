@@ -13,7 +13,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
-from models.qwen35_moe.linear import WeightCopies
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
 from parallel.vocab_parallel import resolve_vocab_parallel
@@ -60,8 +59,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     on_gpu = device.type == "cuda"
     if cfg.compile.enable and cfg.activation_checkpoint.mode == "selective":
         logger.warning("activation_checkpoint.mode selective with compile.enable: the per-op policy cannot see into "
-                       "the compiled graphs, which are recomputed whole; full is faster and holds less (measured on "
-                       "one H200: 45.9k against 40.7k tokens/s, README \"Speed\")")
+                       "the compiled graphs, which are recomputed whole; full is faster and holds less "
+                       "(docs/performance.md)")
     parallelize_qwen35_moe(model, meshes.fsdp if meshes else None,
                            param_dtype=DTYPES[cfg.training.mixed_precision_param] if on_gpu else None,
                            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce] if on_gpu else None,
@@ -70,14 +69,14 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
                            expert_fsdp_mesh=meshes.expert_fsdp if meshes else None,
                            expert_dispatch=cfg.parallelism.expert_parallel_dispatch,
                            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward != "never",
-                           vocab_parallel=meshes is not None and _vocab_parallel(cfg, args, meshes))
+                           vocab_parallel=meshes is not None and _vocab_parallel(cfg, args, meshes),
+                           # one GPU: weights read from kept copies, not cast (models/qwen35_moe/linear.py); with one
+                           # backward a step the gradients stay in the copies' bf16, which then holds them exactly
+                           weight_copies=on_gpu, grads_in_copies=grad_accum_steps == 1)
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
-    if on_gpu and model.compute_dtype is not None:  # one GPU: weights read from kept copies, not cast (linear.py)
-        # One backward per step: the gradients stay in the copies' bf16, which then holds them exactly.
-        model.weight_copies = WeightCopies(model, model.compute_dtype, grads_in_copies=grad_accum_steps == 1)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
                 "FSDP" if isinstance(model, FSDPModule) else "one process, no FSDP", device)

@@ -14,13 +14,7 @@ import time
 
 import torch
 
-from models.qwen35_moe.documents import (
-    context_parallel_layout,
-    context_parallel_segments,
-    document_layout,
-    to_device,
-)
-from parallel.context_parallel import shard_zigzag, zigzag_index
+from models.qwen35_moe.documents import document_layout, to_device
 from parallel.expert_parallel import scale_expert_gradients
 from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
@@ -137,28 +131,20 @@ class Trainer:
             f.write(text)
         logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
-    def shard_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's share of a data-parallel rank's rows: all of them, or its zigzag chunks under CP."""
-        if self.dims.cp == 1:
-            return batch
-        rank = self.meshes.cp.get_local_rank()
-        return {key: shard_zigzag(value, self.dims.cp, rank) for key, value in batch.items()}
-
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict:
-        """The model's keyword arguments for a micro-batch of (host) rows: this rank's share of them on the device,
-        and their document layout derived on the host (under CP from the whole rows, which every CP rank holds),
-        so that neither costs a GPU sync."""
+        """The model's keyword arguments for a micro-batch of (host) rows: this rank's share of them on the device
+        (all of them, or its zigzag chunks under CP), and their document layout derived on the host (under CP from
+        the whole rows, which every CP rank holds), so that neither costs a GPU sync."""
         positions = batch["position_ids"]
         # Always the packed layout, also for rows that hold one document each: one path through the kernels and
         # the compiled graphs whatever the data (documents.document_layout).
-        if self.dims.cp == 1:
+        cp = self.model.context_parallel
+        if cp is None:
             layout = document_layout(positions, *positions.shape, positions.device, packed=True)
         else:
-            index = zigzag_index(positions.shape[1], self.dims.cp, self.meshes.cp.get_local_rank())
-            layout = context_parallel_layout(positions[:, index], positions, index, packed=True)
-            layout.cp_segments = context_parallel_segments(layout)
-        local = self.shard_rows(batch)
-        return {"input_ids": to_device(local["input_ids"], self.device), "labels": to_device(local["labels"], self.device),
+            layout = cp.rows_layout(positions, packed=True, segments=True)
+            batch = cp.shard_rows(batch)
+        return {"input_ids": to_device(batch["input_ids"], self.device), "labels": to_device(batch["labels"], self.device),
                 "layout": layout.to(self.device), "loss_chunk_tokens": self.cfg.training.loss_chunk_tokens}
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -175,19 +161,20 @@ class Trainer:
         n_tokens = global_label_tokens(inputs, self.device, distributed)
         # Each micro-batch's loss is its share of the global loss; FSDP averages gradients over all ranks
         # (dp_replicate x dp_shard x cp), so the shares are scaled by their number to give the gradient of the global
-        # loss (the sum of the shares'). The cross entropy's scale is known before the forward: the model computes
-        # its gradients already scaled by it, and the backward below gives it exactly that gradient.
-        ce_grad_scale = self.dims.world_size / n_tokens
+        # loss (the sum of the shares'). The cross entropy's scale is known before the forward: the model returns
+        # the summed cross entropy times it, its gradients computed already scaled (one pass fewer over them).
+        world = self.dims.world_size
+        ce_scale = world / n_tokens
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
         step_counts = 0
         for mb in inputs:
-            out = self.model(**mb, loss_grad_scale=ce_grad_scale)
+            out = self.model(**mb, ce_scale=ce_scale)
             aux, pooled_counts = balance_loss_share(out.router_stats, distributed)
             aux = aux / len(microbatches)
             step_counts = step_counts + pooled_counts
-            (out.ce_sum * ce_grad_scale + aux * (self.aux_loss_coef * self.dims.world_size)).backward()
-            ce_total += out.ce_sum.detach() / n_tokens  # this micro-batch's share of the global token-mean CE
+            (out.ce_sum + aux * (self.aux_loss_coef * world)).backward()
+            ce_total += out.ce_sum.detach() / world  # this micro-batch's share of the global token-mean CE
             aux_total += aux.detach()
         if self.dims.ep > 1:
             scale_expert_gradients(self.model, self.dims.ep)

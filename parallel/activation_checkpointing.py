@@ -1,4 +1,5 @@
-"""Activation checkpointing of the decoder blocks.
+"""Activation checkpointing of the decoder blocks, as each block's `runner` (models/qwen35_moe/hooks.py): the
+parameters, and with them the state dict's keys, stay as they are.
 
 "full" keeps each block's input and recomputes the block in the backward; "selective" keeps, per op, the matmul,
 attention and collective outputs and recomputes the elementwise work between them.
@@ -8,8 +9,7 @@ Compiled blocks under full AC are checkpointed in two halves (`checkpoint_compil
 - The mixer half (norm, Gated DeltaNet or attention, residual) has graph breaks (FLA's kernels, the flash varlen
   call), and dynamo cannot trace a checkpoint around a graph break: it would run the whole region eagerly. So the
   half is compiled up to the mixer's output projection, and an eager checkpoint reruns its compiled graphs in the
-  backward, as it did for whole blocks; the projection runs eagerly, so that the recompute stops before it
-  (`_mixer_half_projected_eagerly`).
+  backward; the projection runs eagerly, so that the recompute stops before it (`_mixer_half_projected_eagerly`).
 - The MoE half (norm, router, experts, shared expert, residual) has no graph break on the GPU, so the checkpoint is
   compiled with it and the recompute becomes part of the compiled backward: inductor's partitioner recomputes only
   what the backward reads (not the experts' weighted combine, nor the residual sum), fuses the recomputed
@@ -18,9 +18,7 @@ Compiled blocks under full AC are checkpointed in two halves (`checkpoint_compil
   CPU reference experts, the routed experts as an FSDP unit of their own) dynamo says so at the first forward, and
   that block's MoE half is checkpointed eagerly around its compiled graphs instead.
 
-H200s, 8 layers / 32 experts at 35B-A3B's widths, compiled: full AC cost 13.2-15.1% of the no-AC tokens/s where
-whole compiled blocks in an eager checkpoint cost 15.7-16.1% in the same calls, for +0.3 GiB (each block keeps
-its middle too). Also keeping the experts' gate-up GEMM output (+1 GiB) was not faster (README "Speed").
+Halves against whole compiled blocks in an eager checkpoint: docs/performance.md, "Activation checkpointing".
 """
 
 from __future__ import annotations
@@ -30,11 +28,12 @@ import logging
 import types
 
 import torch
-from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from models.qwen35_moe.hooks import BlockRunner
 from models.qwen35_moe.model import DecoderLayer
+
+from .torch_internals import ignore_profiler_ranges_in_selective_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +53,12 @@ def _saved_ops() -> set:
     return {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
 
 
-def _ignore_profiler_ops_in_selective_checkpointing() -> None:
-    """FSDP2's hooks of the units nested in a block (the first block's experts, EP's experts) run inside its
-    checkpointed region and open profiler ranges (`record_function`) a different number of times in the forward
-    and in the recompute; selective checkpointing matches every op's calls between the two, so it must not count
-    these (they compute nothing)."""
-    from torch.utils import checkpoint as checkpoint_module
+def _selective_context():
+    saved = _saved_ops()
 
-    if not hasattr(checkpoint_module, "SAC_IGNORED_OPS"):  # a torch whose SAC does not match recomputed ops' calls
-        return
-    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
-        packet = getattr(torch.ops.profiler, name, None)
-        for overload in packet.overloads() if packet is not None else []:
-            checkpoint_module.SAC_IGNORED_OPS.add(getattr(packet, overload))
-
-
-def _selective_policy(saved: set):
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _keep_in_moe_half(ctx, op, *args, **kwargs):
@@ -107,48 +93,54 @@ def _mixer_half_projected_eagerly(layer: DecoderLayer, h: torch.Tensor, layout) 
 _fallbacks_logged: set[str] = set()
 
 
-def _forward_in_checkpointed_halves(layer: DecoderLayer, h: torch.Tensor, layout):
-    h = checkpoint(_mixer_half_projected_eagerly, layer, h, layout, use_reentrant=False, preserve_rng_state=False)
-    if layer.moe_half_traced is not False:
-        try:
-            out = _compiled().checkpointed_moe_half(layer, h)
-        except torch._dynamo.exc.Unsupported as error:  # a graph break, found while tracing: nothing has run
-            if layer.moe_half_traced:
-                raise
-            layer.moe_half_traced = False
-            reason = str(error).splitlines()[0]
-            if reason not in _fallbacks_logged:  # once per cause, not once per block
-                _fallbacks_logged.add(reason)
-                logger.info("activation checkpointing: a block's MoE half breaks the compiled graph (%s); its "
-                            "checkpoint reruns its compiled graphs instead", reason)
-        else:
-            layer.moe_half_traced = True
-            return out
-    return checkpoint(_compiled().moe_half, layer, h, use_reentrant=False, preserve_rng_state=False)
+class CheckpointedCompiledHalves:
+    """Full AC of a compiled block, in the two halves of the module docstring: one runner per block, which learns at
+    the block's first forward whether dynamo traces its MoE half with the checkpoint (`moe_half_traced`)."""
+
+    def __init__(self):
+        self.moe_half_traced: bool | None = None
+
+    def __call__(self, layer: DecoderLayer, h: torch.Tensor, layout):
+        h = checkpoint(_mixer_half_projected_eagerly, layer, h, layout, use_reentrant=False, preserve_rng_state=False)
+        if self.moe_half_traced is not False:
+            try:
+                out = _compiled().checkpointed_moe_half(layer, h)
+            except torch._dynamo.exc.Unsupported as error:  # a graph break, found while tracing: nothing has run
+                if self.moe_half_traced:
+                    raise
+                self.moe_half_traced = False
+                reason = str(error).splitlines()[0]
+                if reason not in _fallbacks_logged:  # once per cause, not once per block
+                    _fallbacks_logged.add(reason)
+                    logger.info("activation checkpointing: a block's MoE half breaks the compiled graph (%s); its "
+                                "checkpoint reruns its compiled graphs instead", reason)
+            else:
+                self.moe_half_traced = True
+                return out
+        return checkpoint(_compiled().moe_half, layer, h, use_reentrant=False, preserve_rng_state=False)
 
 
-def checkpoint_compiled_halves(layer: DecoderLayer) -> None:
-    """Full AC for a compiled block, in place: its forward becomes the two checkpointed halves of the module
-    docstring (its parameters, and so the state dict's keys, are untouched). Replaces `layer.compile()`."""
-    layer.moe_half_traced = None  # decided at the first forward: whether dynamo traced the MoE half's checkpoint
-    layer.forward = types.MethodType(_forward_in_checkpointed_halves, layer)
+class Checkpointed:
+    """A runner inside a checkpoint: "full" keeps the block's input only, "selective" also the outputs of
+    `_saved_ops`."""
+
+    def __init__(self, inner: BlockRunner, selective: bool):
+        self.inner, self.selective = inner, selective
+        if selective:
+            ignore_profiler_ranges_in_selective_checkpointing()
+
+    def __call__(self, layer: DecoderLayer, h: torch.Tensor, layout):
+        kwargs = {"context_fn": _selective_context} if self.selective else {}
+        return checkpoint(self.inner, layer, h, layout, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, compiled: bool = False) -> None:
-    """"full": keep only each decoder block's input and recompute the block in backward; "selective": per op,
-    keep the matmul, attention and collective outputs and recompute the elementwise work between them
-    (`_saved_ops`). `compiled`: the blocks are to be compiled; under "full" that is done here, in two halves
-    (`checkpoint_compiled_halves`), under "selective" the caller compiles each block first."""
+def checkpointed_runners(runners: list[BlockRunner], mode: str, compiled: bool) -> list[BlockRunner]:
+    """Each block's runner under activation checkpointing `mode`: "none" leaves them; "full" keeps only each
+    block's input (compiled: `CheckpointedCompiledHalves`, which compiles the halves itself, in place of the
+    compiled runners); "selective" keeps the outputs of `_saved_ops` and recomputes the elementwise work between
+    them (around the compiled runners, if any)."""
     if mode == "none":
-        return
+        return runners
     if mode == "full" and compiled:
-        for layer in model.layers.values():
-            checkpoint_compiled_halves(layer)
-        return
-    kwargs = {}
-    if mode == "selective":
-        _ignore_profiler_ops_in_selective_checkpointing()
-        policy = _selective_policy(_saved_ops())
-        kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)
-    for name, layer in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(layer, preserve_rng_state=False, **kwargs)
+        return [CheckpointedCompiledHalves() for _ in runners]
+    return [Checkpointed(runner, selective=mode == "selective") for runner in runners]

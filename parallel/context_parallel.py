@@ -2,15 +2,16 @@
 
 Layout (docs/design.md, "Parallelism"): each row of seq_len tokens is cut into 2 * cp chunks; CP rank r holds
 chunks r and 2*cp-1-r, so every rank gets an equal share of causal attention work (early and late tokens).
-The trainer shards input_ids, labels and position_ids this way (`shard_zigzag`); the model all-gathers the
-(integer) position ids once per forward to know the whole rows' documents (`CPContext.layout`).
+The trainer shards a batch's rows this way (`CPContext.shard_rows`) and derives this rank's document layout on
+the host from the whole rows every CP rank reads (`CPContext.rows_layout`, the one place the layout is built); a
+model given only its share of the position ids all-gathers them once per forward (`CPContext.local_layout`).
 
 Exchanges, differentiable (parallel/collectives.py, so backward runs the mirror collective):
   gather_sequence   local zigzag tokens -> the whole rows in natural order       (all-gather; backward: reduce-scatter)
   scatter_sequence  whole rows of partial sums -> this rank's tokens, summed     (reduce-scatter; backward: all-gather)
 Gated DeltaNet runs head-parallel between the two (each rank: whole rows, 1/cp of the heads); attention gathers
-K and V and keeps its local queries. Nothing here imports the model: the parallelize function attaches a
-CPContext to the model and its mixers as `_cp`.
+K and V and keeps its local queries. The parallelize function sets a CPContext as the model's and its mixers'
+`context_parallel` (models/qwen35_moe/hooks.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import functools
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+from models.qwen35_moe.documents import DocumentLayout, context_parallel_layout, context_parallel_segments
 
 from .collectives import all_gather, reduce_scatter_sum
 
@@ -70,10 +73,25 @@ class CPContext:
         by_rank = x.index_select(0, _rank_order(x.shape[0], self.size, x.device))
         return reduce_scatter_sum(by_rank, self.group).movedim(0, dim)
 
-    def gather_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """(B, S/cp) local position ids -> (B, S) of the whole rows (integers: no gradient)."""
-        return self.gather_sequence(position_ids, dim=1)
-
     def token_index(self, seq_len: int, device) -> torch.Tensor:
         """(S/cp,) positions of this rank's tokens within a row of `seq_len` tokens."""
         return zigzag_index(seq_len, self.size, self.rank, device)
+
+    def shard_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's zigzag share of every (B, S) tensor of a batch of whole rows."""
+        return {key: shard_zigzag(value, self.size, self.rank) for key, value in batch.items()}
+
+    def rows_layout(self, position_ids: torch.Tensor, packed: bool = False, segments: bool = False) -> DocumentLayout:
+        """The document layout of this rank's share of whole rows with (B, S) `position_ids` (`packed`: as
+        documents.document_layout's). `segments`: also cut this rank's queries into flash attention's varlen
+        segments now (the trainer, on the host: no GPU sync), rather than in the first attention layer."""
+        index = self.token_index(position_ids.shape[1], position_ids.device)
+        layout = context_parallel_layout(position_ids[:, index], position_ids, index, packed)
+        if segments:
+            layout.cp_segments = context_parallel_segments(layout)
+        return layout
+
+    def local_layout(self, position_ids: torch.Tensor) -> DocumentLayout:
+        """The document layout of this rank's share of the rows, from its (B, S/cp) position ids (one all-gather of
+        integers)."""
+        return self.rows_layout(self.gather_sequence(position_ids, dim=1))

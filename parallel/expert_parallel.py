@@ -20,9 +20,9 @@ group choosing this rank), so it suits small EP groups.
        mirror all-to-all bring each token's output back to the rank and place it came from.
 
 The collectives are differentiable (parallel/collectives.py), so gradients reach the router, the tokens and the
-local experts' weights (from every rank's tokens). The parallelize function attaches one of these to each
-SparseMoE (`_ep`); the experts' weights are then DTensors sharded on the expert dimension over the EP mesh
-(`shard_experts`).
+local experts' weights (from every rank's tokens). The parallelize function gives each SparseMoE one of these as
+its `dispatch` (models/qwen35_moe/hooks.py); the experts' weights are then DTensors sharded on the expert
+dimension over the EP mesh (`shard_experts`).
 """
 
 from __future__ import annotations

@@ -1,48 +1,50 @@
-"""Applies context and expert parallelism, compile, activation checkpointing and FSDP2 to a Qwen3.5-MoE model, in
-that fixed order (CP only attaches its exchanges to the mixers, EP shards the experts' weights over its mesh and
-attaches its exchange to the MoE layers; compile, then AC, wrap each block before FSDP groups the blocks'
-parameters)."""
+"""Parallelizes a Qwen3.5-MoE model in a fixed order: context parallelism (the CP group's exchanges), expert
+parallelism (the experts' weights sharded over the EP mesh, a dispatch per MoE layer), compile, activation
+checkpointing (each block's runner), vocabulary parallelism (the embedding's and lm_head's rows sharded), then
+FSDP2 groups the blocks' parameters. Everything the model reads is given to it in one call,
+`model.set_parallel_hooks` (models/qwen35_moe/hooks.py); the rest transforms parameters, as FSDP does."""
 
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from models.qwen35_moe.attention import GatedAttention
 from models.qwen35_moe.fp32_contract import Fp32ParamsModule
-from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet
+from models.qwen35_moe.hooks import ParallelHooks
+from models.qwen35_moe.linear import WeightCopies
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 
-from .activation_checkpointing import apply_activation_checkpointing
+from .activation_checkpointing import checkpointed_runners
+from .compile import compiled_runners
 from .context_parallel import CPContext
 from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
 from .replicated_params import ReplicatedParams
-from .vocab_parallel import apply_vocab_parallel
+from .vocab_parallel import shard_vocab_rows
 
 logger = logging.getLogger(__name__)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Attach the CP group's exchanges to the model (which learns the whole rows' documents once per forward)
-    and to every mixer: Gated DeltaNet goes head-parallel, attention gathers keys and values. Every other
-    module works token by token and needs nothing."""
-    context = CPContext(cp_mesh)
-    model._cp = context
-    for module in model.modules():
-        if isinstance(module, CPAwareGatedDeltaNet):
-            module._cp_mesh, module._cp = cp_mesh, context
-        elif isinstance(module, GatedAttention):
-            module._cp = context
+class DTensorSharding:
+    """models/qwen35_moe/hooks.ParamSharding for the parameters FSDP2, expert and vocabulary parallelism make
+    DTensors (the others are whole)."""
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        return param.to_local() if isinstance(param, DTensor) else param
+
+    def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return full
+        # src_data_rank=None: slice locally, no communication (every rank holds the same full tensor).
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "auto") -> None:
-    """Split every MoE layer's routed experts over the EP mesh and route its tokens through `dispatch`'s exchange
+def shard_experts_for_dispatch(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "auto"):
+    """Shard every MoE layer's routed experts over the EP mesh; returns the factory of each layer's dispatch
     ("auto": by the EP size against the layer's top-k, `resolve_dispatch`; one exchange per layer: the all-to-all
     keeps the layer's split sizes for the activation-checkpointing recompute)."""
     exchanges = {"all_gather": AllGatherExpertParallel, "all_to_all": ExpertParallel}
@@ -50,39 +52,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str =
     for module in model.modules():
         if isinstance(module, SparseMoE):
             shard_experts(module.experts, ep_mesh)
-            name = resolve_dispatch(dispatch, ep_mesh.size(), module.top_k)
-            module._ep = exchanges[name](ep_mesh)
-            chosen.add(name)
+            chosen.add(resolve_dispatch(dispatch, ep_mesh.size(), module.top_k))
     logger.info("expert parallelism: %d ranks, %s dispatch", ep_mesh.size(), " / ".join(sorted(chosen)))
-
-
-def apply_compile(model: nn.Module, first_block_own_frames: bool = False) -> None:
-    """torch.compile each decoder block in place (keeps state-dict keys free of an `_orig_mod.` prefix).
-
-    `first_block_own_frames`: the first block runs a copy of the blocks' forward. Under FSDP without expert
-    parallelism its routed experts are an FSDP unit of their own (apply_fsdp), whose hooks break its compiled graph
-    at the MoE call. Dynamo keeps its compiled frames per code object, and its guards skip FSDP-managed modules, so
-    every block reused the first block's frames, break included: the MoE and the residual add after it as two more
-    graphs per block (a profiled FSDP=2 step at 8 layers: 60 compiled-function calls in the forward against one
-    GPU's 40; tests/distributed/test_compiled_frames.py). A copy of the code keeps those frames the first
-    block's own."""
-    layers = list(model.layers.values())
-    if first_block_own_frames:
-        forward = type(layers[0]).forward
-        code_copy = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
-                                       forward.__defaults__, forward.__closure__)
-        layers[0].forward = types.MethodType(code_copy, layers[0])
-    for layer in layers:
-        layer.compile(fullgraph=False)
+    return lambda moe: exchanges[resolve_dispatch(dispatch, ep_mesh.size(), moe.top_k)](ep_mesh)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
-               vocab_parallel: bool = False) -> None:
+               vocab_params: list[nn.Parameter] = ()) -> None:
     """FSDP2 units: each decoder block, the first block's routed experts, the embedding, the lm_head, and the root
     (tied embeddings' one matrix, if any); each GDN layer's fp32 parameters and the final norm's weight are whole
-    on every rank instead (below). With `vocab_parallel` the embedding and the lm_head are not FSDP's: their
-    weights stay sharded by rows over the same mesh and the tokens travel instead (parallel/vocab_parallel.py).
+    on every rank instead (below). `vocab_params`: the embedding's and lm_head's weights already sharded by rows
+    over the same mesh (vocabulary parallelism, parallel/vocab_parallel.py), which FSDP leaves alone.
     `reshard_after_forward` False keeps every unit's gathered weights from its forward to its backward; True (the
     default) frees them, except where the backward comes at once or needs no weights:
 
@@ -97,9 +78,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
       computes. The first block's gradients are the step's last reduction, which nothing can hide: the optimizer
       waits for it. Split, the experts' share is reduced while the block's attention runs backward, leaving only
       the rest (a sixth at 35B-A3B widths and 64 experts) exposed. The unit's hooks break the first block's
-      compiled MoE (only the first block's: apply_compile gives it its own copy of the forward's code, which
-      parallelize_qwen35_moe asks for wherever this unit exists); no such unit was still slower (2 x H200,
-      2026-11-27: 76.6k and 80.5k tokens/s per GPU against 79.9k and 81.2k; 55.2k against 58.8k at 8 layers).
+      compiled MoE (only the first block's: compile.py gives it frames of its own, which parallelize_qwen35_moe
+      asks for wherever this unit exists); without the unit FSDP=2 was slower (docs/performance.md, "FSDP").
     - Each forward gathers ahead: the root the first block (and the embedding, if a unit) as the step starts, each
       block the next one (the last, the lm_head) as it starts. Left to FSDP, a block was gathered only once the
       host had queued the previous block's work, which under compile's graph breaks comes late: a profiled
@@ -129,7 +109,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     unsharded_experts = expert_mesh is not None and expert_mesh.size() == 1
     layers = list(model.layers.values())
     prefetches = []  # per block, what its forward gathers ahead: its nested units, then the next block
-    resharded = []  # the units inside the blocks that free their weights after forward (reshard_policy.py)
     replicated = []  # modules whose parameters are whole on every rank: the GDN layers' fp32 ones, the final norm
     for index, layer in enumerate(layers):
         ignored, prefetch = set(), []
@@ -147,25 +126,29 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
                 prefetch.append(module)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
-        if not keep:  # the block's nested units (its experts, where they are one), then the block
-            resharded += [m for m in layer.modules() if isinstance(m, FSDPModule) and m is not layer] + [layer]
         prefetches.append(prefetch)
-    model.fsdp_resharded_units = resharded
-    vocab_params = apply_vocab_parallel(model, mesh, param_dtype) if vocab_parallel else []
     # Units of their own unless vocabulary-parallel; tied, the two share one parameter, which the root keeps.
-    if not vocab_parallel and model.lm_head.weight is not model.embed_tokens.weight:
+    if not vocab_params and model.lm_head.weight is not model.embed_tokens.weight:
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         model.embed_tokens.set_unshard_in_backward(False)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=False)
     replicated.append(model.norm)
     fully_shard(model, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=reshard_after_forward,
                 ignored_params={*vocab_params, *model.norm.parameters()})
-    model.replicated_params = ReplicatedParams(model, replicated, mesh)
+    ReplicatedParams(model, replicated, mesh)  # lives on in the hooks it registers
     first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
     model.set_modules_to_forward_prefetch([*first, layers[0]])
     after_last = [model.lm_head] if isinstance(model.lm_head, FSDPModule) else []
     for layer, prefetch, following in zip(layers, prefetches, [[block] for block in layers[1:]] + [after_last]):
         layer.set_modules_to_forward_prefetch(prefetch + following)
+
+
+def resharding_units(model: nn.Module) -> list[FSDPModule]:
+    """The FSDP units apply_fsdp made to free their gathered weights after forward when `reshard_after_forward`:
+    every unit inside the blocks but the last (whose backward comes at once), its nested units first."""
+    layers = list(model.layers.values())[:-1]
+    return [m for layer in layers for m in [*(n for n in layer.modules() if n is not layer), layer]
+            if isinstance(m, FSDPModule)]
 
 
 def reshard_fsdp(model: nn.Module) -> None:
@@ -177,11 +160,12 @@ def reshard_fsdp(model: nn.Module) -> None:
             module.reshard()
 
 
-def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype,
-                           reduce_dtype: torch.dtype, ac_mode: str, compile: bool,
+def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype | None,
+                           reduce_dtype: torch.dtype | None, ac_mode: str, compile: bool,
                            cp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
                            expert_fsdp_mesh: DeviceMesh | None = None, expert_dispatch: str = "auto",
-                           reshard_after_forward: bool = True, vocab_parallel: bool = False) -> nn.Module:
+                           reshard_after_forward: bool = True, vocab_parallel: bool = False,
+                           weight_copies: bool = False, grads_in_copies: bool = False) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
     context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
     group and the FSDP mesh of the experts' weights, None without expert parallelism; `expert_dispatch`: how
@@ -189,23 +173,34 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     `vocab_parallel`: the embedding and the lm_head vocabulary-parallel over the FSDP mesh (vocab_parallel.py).
 
     One rank (one GPU, or a single process) gets no FSDP: its weights stay whole fp32 parameters and, given a
-    `param_dtype`, the model computes in it (`model.compute_dtype`), casting each weight where it is used, as
-    FSDP's mixed precision would, without FSDP's copies and hooks (one GPU ran ~25 ms of a ~190 ms step in them)."""
+    `param_dtype`, the model computes in it (`compute_dtype`), casting each weight where it is used, as FSDP's
+    mixed precision would, without FSDP's copies and hooks. There `weight_copies` keeps a copy of each weight in
+    `param_dtype` that the optimizer rewrites as it updates the weight (models/qwen35_moe/linear.py), holding the
+    weights' gradients too with `grads_in_copies` (one backward a step). Returns the model, parallelized in place."""
+    sharded = mesh is not None and mesh.size() > 1
+    hooks = ParallelHooks(sharding=DTensorSharding())
     if cp_mesh is not None:
-        apply_context_parallel(model, cp_mesh)
+        hooks.context_parallel = CPContext(cp_mesh)
     if ep_mesh is not None:
-        apply_expert_parallel(model, ep_mesh, expert_dispatch)
+        hooks.expert_dispatch = shard_experts_for_dispatch(model, ep_mesh, expert_dispatch)
     # Compile first, then checkpoint the compiled block: compile over a checkpointed block would have to trace the
     # checkpoint whole, and a block with graph breaks (FLA's kernels, EP's exchange) cannot be; dynamo then runs
-    # the whole block eagerly, in the forward and in the recompute (on one H200 full AC then cost 39% of the
-    # no-AC speed, against 15% compiled). Full AC compiles the blocks itself, in two halves
-    # (activation_checkpointing.py).
+    # the whole block eagerly, in the forward and in the recompute. Full AC compiles the blocks itself, in two
+    # halves (activation_checkpointing.py).
+    runners = [layer.runner for layer in model.layers.values()]
     if compile and ac_mode != "full":
         # apply_fsdp makes the first block's experts a unit of their own where FSDP runs without EP's expert mesh
-        apply_compile(model, first_block_own_frames=mesh is not None and mesh.size() > 1 and expert_fsdp_mesh is None)
-    apply_activation_checkpointing(model, ac_mode, compiled=compile)
-    if mesh is not None and mesh.size() > 1:
-        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_parallel)
-    else:  # one rank: nothing to shard; the fp32 weights are cast where they are used (linear.py)
-        model.compute_dtype = param_dtype
+        runners = compiled_runners(len(runners), first_block_own_frames=sharded and expert_fsdp_mesh is None)
+    hooks.block_runners = checkpointed_runners(runners, ac_mode, compiled=compile)
+    vocab_params = []
+    if sharded and vocab_parallel:
+        hooks.vocab_parallel = shard_vocab_rows(model, mesh, param_dtype)
+        vocab_params = hooks.vocab_parallel.params
+    if not sharded:  # one rank: nothing to shard; the fp32 weights are cast where they are used (linear.py)
+        hooks.compute_dtype = param_dtype
+        if weight_copies and param_dtype is not None:
+            hooks.weight_copies = WeightCopies(model, param_dtype, grads_in_copies=grads_in_copies)
+    model.set_parallel_hooks(hooks)
+    if sharded:
+        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_params)
     return model

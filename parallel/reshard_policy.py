@@ -16,18 +16,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .parallelize import resharding_units
+
 KEEP_FRACTION = 0.85
 GIB = 1024**3
 
 
-def keep_gathered_weights(model: nn.Module) -> int:
-    """Every unit apply_fsdp made to free its weights after forward keeps them to the backward from now on;
-    returns how many units changed."""
-    units = getattr(model, "fsdp_resharded_units", [])
+def keep_gathered_weights(units: list[nn.Module]) -> None:
+    """Each of the units (FSDP units that free their weights after forward) keeps them to the backward from now on."""
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
-    model.fsdp_resharded_units = []
-    return len(units)
 
 
 def all_ranks_fit(peak: int, gathered: int, capacity: int, group: dist.ProcessGroup | None) -> bool:
@@ -72,9 +70,9 @@ def gathered_bytes(units: list[nn.Module], memory: CudaMemory) -> int:
 
 
 def keep_if_it_fits(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None) -> str | None:
-    """Run after a launch's first step (its peak is then known). Returns the line to log, None where no unit
-    reshards (one process, or every block already keeping its weights)."""
-    units = getattr(model, "fsdp_resharded_units", [])
+    """Run once, after a launch's first step (its peak is then known), on a model whose blocks free their gathered
+    weights after forward. Returns the line to log, None where there is no such unit (one process)."""
+    units = resharding_units(model)
     if not units:
         return None
     memory = device_memory(device)
@@ -84,7 +82,7 @@ def keep_if_it_fits(model: nn.Module, device: torch.device, group: dist.ProcessG
     peak, capacity = memory.peak(), memory.capacity()
     keep = all_ranks_fit(peak, gathered, capacity, group)
     if keep:
-        keep_gathered_weights(model)
+        keep_gathered_weights(units)
     verdict = "keep their gathered weights to the backward" if keep else "free their gathered weights after forward"
     return (f"fsdp_reshard_after_forward auto: the blocks {verdict} (this rank: the first step's peak "
             f"{peak / GIB:.1f} GiB + {gathered / GIB:.1f} GiB gathered, against {KEEP_FRACTION:.0%} of "

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models.qwen35_moe.kernels.linear_cross_entropy import combine_slice_stats, linear_cross_entropy_sum, scale_
+from models.qwen35_moe.kernels.linear_cross_entropy import combine_slice_stats, scale_
 
 from .collectives import all_gather, reduce_scatter_sum
 
@@ -72,9 +72,10 @@ class _AverageGradient(torch.autograd.Function):
 
 
 class VocabShard:
-    """The vocabulary-parallel exchanges of one model over its FSDP mesh ((shard,) or HSDP's (replicate, shard)),
-    called by the embedding (`embed`) and the lm_head (`head`) with their DTensor weights; and, for the chunked
-    cross entropy, the hooks it calls (`gather`, `combine`, `own`, `scatter_sum`, `weight_grad`)."""
+    """The vocabulary-parallel exchanges of one model over its FSDP mesh ((shard,) or HSDP's (replicate, shard)):
+    the embedding's lookup (`embed`), the lm_head's weight (`local`, `full`), and the exchanges the chunked cross
+    entropy calls (`gather`, `combine`, `own`, `scatter_sum`, `weight_grad`; models/qwen35_moe/kernels/
+    linear_cross_entropy.py). The model holds it as `vocab_parallel` (models/qwen35_moe/hooks.py)."""
 
     def __init__(self, mesh: DeviceMesh, vocab: int, compute_dtype: torch.dtype | None):
         self.mesh, self.compute_dtype = mesh, compute_dtype
@@ -83,6 +84,7 @@ class VocabShard:
         self.replicas = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
         self.start, self.stop = vocab_rows(vocab, self.size, self.rank)
         self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        self.params: list[nn.Parameter] = []  # the sharded weights (shard_vocab_rows)
 
     # The two modules' calls.
     def embed(self, ids: torch.Tensor, weight: DTensor) -> torch.Tensor:
@@ -95,12 +97,13 @@ class VocabShard:
         # One non-zero row per token: the sum is exact in any dtype.
         return reduce_scatter_sum(rows, self.group).view(*ids.shape, -1)
 
-    def head(self, h: torch.Tensor, weight: DTensor, labels: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
-        """The summed cross entropy of this rank's tokens h (N, hidden) against labels (N,); without labels the
-        logits, through the whole weight gathered (evaluation only)."""
-        if labels is None:
-            return F.linear(h, weight.full_tensor().to(h.dtype))
-        return linear_cross_entropy_sum(h, weight.to_local(), labels, chunk_tokens, vocab=self)
+    def local(self, weight: DTensor) -> torch.Tensor:
+        """This rank's rows of the lm_head's weight, its gradient made FSDP's by `weight_grad`."""
+        return weight.to_local()
+
+    def full(self, weight: DTensor) -> torch.Tensor:
+        """The whole weight, gathered (logits for evaluation only)."""
+        return weight.full_tensor()
 
     # The chunked cross entropy's hooks (linear_cross_entropy._chunked).
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,10 +139,10 @@ class VocabShard:
         return grad
 
 
-def apply_vocab_parallel(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None) -> list[nn.Parameter]:
+def shard_vocab_rows(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None) -> VocabShard:
     """Shard the embedding and the lm_head (one parameter if tied) by rows over `mesh`, as DTensors with FSDP's
-    placements (so a checkpoint is the same whichever way they train), and route both through a VocabShard.
-    Returns the sharded parameters, which FSDP must then leave alone."""
+    placements (so a checkpoint is the same whichever way they train). Returns their exchanges, for the model's
+    `vocab_parallel`; FSDP must leave the sharded parameters alone (`VocabShard.params`)."""
     shard = VocabShard(mesh, model.embed_tokens.num_embeddings, compute_dtype)
     tied = model.lm_head.weight is model.embed_tokens.weight
     sharded = []
@@ -152,5 +155,5 @@ def apply_vocab_parallel(model: nn.Module, mesh: DeviceMesh, compute_dtype: torc
         sharded.append(module.weight)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    model.embed_tokens._vocab_parallel = model.lm_head._vocab_parallel = shard
-    return sharded
+    shard.params = sharded
+    return shard

@@ -34,3 +34,10 @@ def experts_in_one_graph(self, x: torch.Tensor, counts: torch.Tensor) -> torch.T
     expert = torch.searchsorted(counts.cumsum(0), torch.arange(x.shape[0]), right=True).clamp(max=len(counts) - 1)
     gate, up = torch.bmm(gate_up[expert], x.unsqueeze(-1)).chunk(2, dim=1)
     return torch.bmm(down[expert], F.silu(gate) * up).squeeze(-1).clone()  # a view would trip FSDP's output check
+
+
+def compile_blocks(model: Qwen35MoeModel) -> Qwen35MoeModel:
+    """compile.enable on one process: each block runs compiled (parallel/compile.py), nothing else changes."""
+    from parallel.parallelize import parallelize_qwen35_moe
+
+    return parallelize_qwen35_moe(model, None, param_dtype=None, reduce_dtype=None, ac_mode="none", compile=True)

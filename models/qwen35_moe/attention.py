@@ -1,7 +1,7 @@
 """Gated full attention: GQA with per-head q/k RMSNorm, partial RoPE and a sigmoid output gate.
 
 Kernels: flash varlen for packed rows on CUDA in half precision; SDPA otherwise (causal, or a block-diagonal
-causal mask for packed rows). Under context parallelism (`_cp` attached by the parallelize function) the layer
+causal mask for packed rows). Under context parallelism (`context_parallel`, hooks.py) the layer
 all-gathers the whole rows' keys and values (2 KV heads: cheap; backward reduce-scatters their gradients) and runs
 its local queries against them: flash varlen over (chunk, document) segments on CUDA, SDPA with the mask of the
 queries' places in the row otherwise.
@@ -18,6 +18,7 @@ from torch import nn
 
 from .args import Qwen35MoeArgs
 from .documents import DocumentLayout, context_parallel_segments
+from .hooks import ContextParallel, ParallelHooks
 from .linear import Linear
 from .norms import ZeroCenteredRMSNorm
 from .rope import apply_rope, rope_cos_sin
@@ -121,7 +122,11 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.rotary_dim, self.rope_theta = args.rotary_dim, args.rope_theta
-        self._cp = None  # context parallelism's exchanges, attached by the parallelize function
+        self.context_parallel: ContextParallel | None = None  # the CP group's exchanges (hooks.py)
+
+    def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
+        """This layer's extension point (hooks.py): the CP group's exchanges."""
+        self.context_parallel = hooks.context_parallel
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         return self.project(self.core(x, layout))
@@ -141,8 +146,9 @@ class GatedAttention(nn.Module):
         cos, sin = rope_cos_sin(layout.position_ids, self.rotary_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if self._cp is not None:  # this rank's queries against the whole rows' keys and values
-            k, v = self._cp.gather_sequence(k), self._cp.gather_sequence(v)  # (B, S, Hkv, D), natural order
+        cp = self.context_parallel
+        if cp is not None:  # this rank's queries against the whole rows' keys and values
+            k, v = cp.gather_sequence(k), cp.gather_sequence(v)  # (B, S, Hkv, D), natural order
             if _flash_applies(q):
                 out = _flash_varlen_context_parallel(q, k, v, layout)
             else:

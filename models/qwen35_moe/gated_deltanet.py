@@ -16,6 +16,7 @@ from .args import Qwen35MoeArgs
 from .kernels.causal_conv import causal_conv1d_qkv
 from .documents import DocumentLayout
 from .fp32_contract import HOLDER_NAME, Fp32ParamsModule, at_least_fp32
+from .hooks import ContextParallel, ParallelHooks
 from .kernels.gated_delta_rule import gated_delta_rule
 from .linear import Linear, weight_in
 from .norms import GatedRMSNorm
@@ -39,9 +40,8 @@ class SSMGate(Fp32ParamsModule):
 class CPAwareGatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer.
 
-    Alone (`_cp` None, the default) it mixes its input's rows. Under context parallelism the parallelize
-    function attaches the CP mesh (`_cp_mesh`) and its exchanges (`_cp`, parallel/context_parallel.py): each rank
-    holds its zigzag share of every row, gathers the whole rows, runs the projections, causal conv and gated
+    Alone (`context_parallel` None, the default) it mixes its input's rows. Under context parallelism
+    (`context_parallel`, the CP group's exchanges, and `_cp_mesh`, its mesh; hooks.py) each rank holds its zigzag share of every row, gathers the whole rows, runs the projections, causal conv and gated
     delta rule on them for its 1/cp of the heads (in natural order, with the rows' document boundaries: exact,
     and the recurrence's compute and memory split cp ways), and reduce-scatters the out_proj partial sums back
     to its tokens. Gathering the layer input (D channels) and scattering the output (D) moves 2 * D per token,
@@ -68,8 +68,13 @@ class CPAwareGatedDeltaNet(nn.Module):
         self.register_module(HOLDER_NAME, SSMGate(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=args.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, dim, bias=False)
-        self._cp_mesh = None
-        self._cp = None
+        self.context_parallel: ContextParallel | None = None  # hooks.py
+        self._cp_mesh = None  # the CP DeviceMesh, set with context_parallel (docs/design.md, context parallel)
+
+    def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
+        """This layer's extension point (hooks.py): the CP group's exchanges, and its mesh."""
+        self.context_parallel = hooks.context_parallel
+        self._cp_mesh = None if hooks.context_parallel is None else hooks.context_parallel.mesh
 
     A_log = property(lambda self: self._fp32_params.A_log, doc="fp32 A_log of the SSM gate (read-only)")
     dt_bias = property(lambda self: self._fp32_params.dt_bias, doc="fp32 dt_bias of the SSM gate (read-only)")
@@ -86,8 +91,8 @@ class CPAwareGatedDeltaNet(nn.Module):
         # One function, the projection called from it: each function that a graph break (FLA's call) passes
         # through becomes frames that dynamo compiles separately.
         group, groups = self._head_group()
-        if self._cp is not None:
-            x, layout = self._cp.gather_sequence(x), layout.global_layout  # (B, S, D), natural order
+        if self.context_parallel is not None:
+            x, layout = self.context_parallel.gather_sequence(x), layout.global_layout  # (B, S, D), natural order
         cu_seqlens, cu_seqlens_cpu = layout.cu_seqlens, layout.cu_seqlens_cpu
         hk, hv, dk, dv = self.num_k_heads // groups, self.num_v_heads // groups, self.head_k_dim, self.head_v_dim
         keys, values = slice(group * hk * dk, (group + 1) * hk * dk), slice(group * hv * dv, (group + 1) * hv * dv)
@@ -120,11 +125,12 @@ class CPAwareGatedDeltaNet(nn.Module):
         group, groups = self._head_group()
         values = slice(group * self.value_dim // groups, (group + 1) * self.value_dim // groups)
         out = F.linear(o, _columns(weight_in(self.out_proj, "weight", o.dtype), values, groups))
-        return out if self._cp is None else self._cp.scatter_sequence(out)
+        return out if self.context_parallel is None else self.context_parallel.scatter_sequence(out)
 
     def _head_group(self) -> tuple[int, int]:
         """(group, groups): this rank's share of the heads, the cp-th part under CP, all of them (0, 1) alone."""
-        return (0, 1) if self._cp is None else (self._cp.rank, self._cp.size)
+        cp = self.context_parallel
+        return (0, 1) if cp is None else (cp.rank, cp.size)
 
 
 def _shift(s: slice, offset: int) -> slice:

@@ -23,7 +23,8 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .hooks import UNSHARDED, ParamSharding
 
 # Wrappers that insert a level into parameter names but not into state-dict keys.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -60,13 +61,11 @@ def initial_value(name: str, shape: torch.Size, std: float, generator: torch.Gen
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Initialise every parameter of `model` in place; the same values at any world size and mesh."""
+def init_weights(model: nn.Module, seed: int, std: float, sharding: ParamSharding = UNSHARDED) -> None:
+    """Initialise every parameter of `model` in place; the same values at any world size and mesh. `sharding`
+    (hooks.py) takes each rank's part of the whole tensor every rank draws (no communication)."""
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
-        local = param.to_local() if isinstance(param, DTensor) else param
+        local = sharding.local(param)
         full = initial_value(name, param.shape, std, _generator(seed, name, local.device))
-        if isinstance(param, DTensor):
-            # src_data_rank=None: slice locally, no communication (every rank drew the same full tensor).
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        local.copy_(full)
+        local.copy_(sharding.local_part(param, full))

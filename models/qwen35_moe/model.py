@@ -7,6 +7,9 @@ Build it on the meta device, then materialise and initialise it explicitly (read
         model = Qwen35MoeModel(args)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
+
+Parallelism enters only through the extension points listed in hooks.py, set in one call
+(`set_parallel_hooks`); alone, the model is the plain single-device model.
 """
 
 from __future__ import annotations
@@ -14,15 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
-from .documents import DocumentLayout, context_parallel_layout, document_layout
-from .linear import Linear, WeightCopies
-from .kernels.linear_cross_entropy import linear_cross_entropy_sum
+from .documents import DocumentLayout, document_layout
 from .gated_deltanet import CPAwareGatedDeltaNet
+from .hooks import UNSHARDED, BlockRunner, ContextParallel, ParallelHooks, ParamSharding, VocabParallel
 from .init import init_weights
+from .kernels.linear_cross_entropy import linear_cross_entropy_sum
+from .linear import Linear, WeightCopies
 from .moe import RouterStats, SparseMoE, load_balancing_loss
 from .norms import ZeroCenteredRMSNorm
 
@@ -33,8 +38,8 @@ class CausalLMOutput:
     # Routing statistics of every MoE layer (counts and probability sums, each (layers, experts)); a trainer
     # pools them over data-parallel ranks for a balance loss that does not depend on how the batch is split.
     router_stats: RouterStats
-    # With labels: the cross entropy summed over the label tokens (fp32), computed chunk by chunk without
-    # the whole logits (linear_cross_entropy.py).
+    # With labels: the cross entropy summed over the label tokens (fp32) times the forward's `ce_scale`, computed
+    # chunk by chunk without the whole logits (kernels/linear_cross_entropy.py).
     ce_sum: torch.Tensor | None = None
 
     @property
@@ -44,32 +49,44 @@ class CausalLMOutput:
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding, or the vocabulary-parallel lookup (parallel/vocab_parallel.py) once its table is sharded."""
+    """nn.Embedding, or the vocabulary-parallel lookup once its table is sharded by rows."""
 
-    _vocab_parallel = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vocab_parallel: VocabParallel | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._vocab_parallel is not None:
-            return self._vocab_parallel.embed(ids, self.weight)
+        if self.vocab_parallel is not None:
+            return self.vocab_parallel.embed(ids, self.weight)
         return super().forward(ids)
 
 
 class LMHead(Linear):
-    """The output projection: logits, or given labels the summed cross entropy above without them. The loss runs
-    inside this module's call so that FSDP's hooks, which gather the weight before it and reduce its gradient
-    after, frame it: the head is an FSDP unit of its own (parallel/parallelize.py)."""
+    """The output projection: logits, or given labels the summed cross entropy without them. The loss runs inside
+    this module's call so that FSDP's hooks, which gather the weight before it and reduce its gradient after, frame
+    it: the head is an FSDP unit of its own (parallel/parallelize.py). Vocabulary-parallel, the weight is this
+    rank's rows and the loss exchanges per-row statistics with the other ranks (kernels/linear_cross_entropy.py)."""
 
-    _vocab_parallel = None  # the vocabulary-parallel exchange (parallel/vocab_parallel.py) when the weight is a slice
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vocab_parallel: VocabParallel | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024,
-                grad_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """`grad_scale`: see linear_cross_entropy_sum; a hint, unused when vocabulary-parallel."""
-        if self._vocab_parallel is not None:
-            return self._vocab_parallel.head(h, self.weight, labels, chunk_tokens)
+                ce_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """h (N, D) -> logits (N, vocab), or given labels (N,) the summed cross entropy times `ce_scale`."""
+        vocab = self.vocab_parallel
         if labels is None:
-            return super().forward(h)
-        return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, grad_scale=grad_scale,
+            return super().forward(h) if vocab is None else F.linear(h, vocab.full(self.weight).to(h.dtype))
+        if vocab is not None:
+            total = linear_cross_entropy_sum(h, vocab.local(self.weight), labels, chunk_tokens, vocab=vocab)
+            return total if ce_scale is None else total * ce_scale
+        return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, scale=ce_scale,
                                         weight_copy=self.weight_copy)
+
+
+def run_block(layer: DecoderLayer, h: torch.Tensor, layout: DocumentLayout):
+    """A DecoderLayer's forward as written: the mixer half, then the MoE half (the default `runner`)."""
+    return layer.moe_half(layer.mixer_half(h, layout))
 
 
 class DecoderLayer(nn.Module):
@@ -83,21 +100,24 @@ class DecoderLayer(nn.Module):
             self.linear_attn = CPAwareGatedDeltaNet(args)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = SparseMoE(args)
+        # How the two halves run: as written, or compiled and/or checkpointed (parallel/compile.py,
+        # parallel/activation_checkpointing.py). A runner keeps the parameters, and so the state dict, untouched.
+        self.runner: BlockRunner = run_block
 
     def forward(self, h: torch.Tensor, layout: DocumentLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (B, S, D) -> h (B, S, D), this layer's expert counts (E,) and router probability sums (E,)."""
-        # The mixer with its residual, then moe_half, spelled out: each function that a graph break (FLA's call; on
-        # CPU and under EP also the experts') passes through becomes frames that dynamo compiles separately.
-        h = h + self.mixer(self.input_layernorm(h), layout)
-        moe_out, counts, prob_sums = self.mlp(self.post_attention_layernorm(h))
-        return h + moe_out, counts, prob_sums
+        return self.runner(self, h, layout)
 
-    # The mixer half's core (its output projection apart) and the MoE half are separate methods so that activation
-    # checkpointing can treat them differently (parallel/activation_checkpointing.py). The mixer's `core` and
-    # `project` are called directly there: hooks on the mixer module itself do not run.
     @property
     def mixer(self) -> nn.Module:
         return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
+
+    # The halves are separate methods so that activation checkpointing can treat them differently
+    # (parallel/activation_checkpointing.py calls the mixer's `core` and `project` apart: hooks on the mixer module
+    # itself do not run then).
+    def mixer_half(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The token mixer with its residual: h + mixer(norm(h))."""
+        return h + self.mixer(self.input_layernorm(h), layout)
 
     def mixer_core(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """The token mixer of norm(h) up to its output projection."""
@@ -120,13 +140,24 @@ class Qwen35MoeModel(nn.Module):
         self.lm_head = LMHead(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._cp = None  # context parallelism's exchanges, attached by the parallelize function
-        # The dtype the blocks compute in when the weights are not already in it (one GPU without FSDP, set by
-        # the parallelize function): the embedding's output is cast to it, and every module follows its input
-        # (linear.py). None: the embedding weight's dtype.
+        # The extension points of hooks.py, at their single-device defaults (set_parallel_hooks):
+        self.context_parallel: ContextParallel | None = None  # this rank holds a zigzag share of every row
+        self.sharding: ParamSharding = UNSHARDED  # how a sharded parameter maps to this rank's tensor (init)
+        # The dtype the blocks compute in when the weights are not already in it (one GPU without FSDP): the
+        # embedding's output is cast to it, and every module follows its input (linear.py). None: the weights'.
         self.compute_dtype: torch.dtype | None = None
         # Kept copies of the weights in compute_dtype (linear.py; one GPU), recast before a forward where stale.
         self.weight_copies: WeightCopies | None = None
+
+    def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
+        """Set every extension point of the model and its modules from `hooks` (hooks.py), in one call."""
+        self.context_parallel, self.sharding = hooks.context_parallel, hooks.sharding
+        self.compute_dtype, self.weight_copies = hooks.compute_dtype, hooks.weight_copies
+        self.embed_tokens.vocab_parallel = self.lm_head.vocab_parallel = hooks.vocab_parallel
+        for index, layer in enumerate(self.layers.values()):
+            layer.mixer.set_parallel_hooks(hooks)
+            layer.mlp.set_parallel_hooks(hooks)
+            layer.runner = run_block if hooks.block_runners is None else hooks.block_runners[index]
 
     def _apply(self, fn, recurse=True):
         # `to_empty`, `.to()` and the like give each module a new Parameter for every tensor they convert (a tensor
@@ -142,33 +173,33 @@ class Qwen35MoeModel(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """HF-like init (rules in init.py), drawn per parameter from (seed, name): the same weights for the
         same seed whether the model is whole or sharded over any mesh."""
-        init_weights(self, seed, self.args.initializer_range)
+        init_weights(self, seed, self.args.initializer_range, self.sharding)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
-                layout: DocumentLayout | None = None, loss_grad_scale: torch.Tensor | None = None) -> CausalLMOutput:
+                layout: DocumentLayout | None = None, ce_scale: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
         document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
-        -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time.
-        `layout`: the batch's document layout derived on the host (documents.py; under context parallelism
-        with its whole rows), in place of position_ids: spares the GPU the syncs of deriving it.
-        `loss_grad_scale`: the gradient ce_sum will be backpropagated with, if known now (an fp32 0-dim tensor):
-        the loss then computes its gradients already scaled (linear_cross_entropy.linear_cross_entropy_sum)."""
+        -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time, times
+        `ce_scale` if given (an fp32 0-dim tensor: the gradients are then computed already scaled, so backpropagate
+        the result with gradient 1, as part of a sum).
+        `layout`: the batch's document layout derived on the host (documents.py; under context parallelism by
+        `context_parallel.local_layout`), in place of position_ids: spares the GPU the syncs of deriving it.
+        Under context parallelism every tensor holds this rank's zigzag share of the rows."""
         batch, seq = input_ids.shape
         # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
         # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
         if layout is not None:
-            if self._cp is not None and layout.global_layout is None:
+            if self.context_parallel is not None and layout.global_layout is None:
                 raise ValueError("under context parallelism the layout must describe the whole rows "
-                                 "(documents.context_parallel_layout)")
+                                 "(context_parallel.local_layout)")
             layout = layout.to(input_ids.device)
-        elif self._cp is None:
+        elif self.context_parallel is None:
             layout = document_layout(position_ids, batch, seq, input_ids.device)
-        else:  # this rank holds its zigzag share of each row: learn the whole rows' documents (integers only)
-            if position_ids is None:
-                raise ValueError("under context parallelism position_ids are required (this rank's share of them)")
-            whole = self._cp.gather_positions(position_ids)
-            layout = context_parallel_layout(position_ids, whole, self._cp.token_index(whole.shape[1], whole.device))
+        elif position_ids is None:
+            raise ValueError("under context parallelism position_ids are required (this rank's share of them)")
+        else:
+            layout = self.context_parallel.local_layout(position_ids)
 
         if self.weight_copies is not None:
             self.weight_copies.refresh()
@@ -185,5 +216,5 @@ class Qwen35MoeModel(nn.Module):
         h = self.norm(h)
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(h), router_stats=stats)
-        ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, grad_scale=loss_grad_scale)
+        ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale)
         return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum)

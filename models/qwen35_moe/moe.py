@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .args import Qwen35MoeArgs
+from .hooks import UNSHARDED, ExpertDispatch, ParallelHooks, ParamSharding
 from .linear import Linear, weight_in
 
 
@@ -112,8 +112,8 @@ class RoutedExperts(nn.Module):
 
     gate_up_proj (E, 2I, D): rows [0, I) are the gate projection, [I, 2I) the up projection.
     down_proj (E, D, I).
-    Under expert parallelism both are DTensors sharded on the expert dimension: this rank computes with its
-    own E / ep experts (the rows of `counts` are then its local experts).
+    Under expert parallelism both are sharded on the expert dimension (`sharding`, hooks.py): this rank computes
+    with its own E / ep experts (the rows of `counts` are then its local experts).
     """
 
     copied_weights = ("gate_up_proj", "down_proj")  # kept copies in the compute dtype on one GPU (linear.py)
@@ -125,6 +125,7 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.register_buffer("gate_up_proj_copy", None, persistent=False)
         self.register_buffer("down_proj_copy", None, persistent=False)
+        self.sharding: ParamSharding = UNSHARDED  # hooks.py
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D). Rows past sum(counts) belong to no
@@ -136,8 +137,12 @@ class RoutedExperts(nn.Module):
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's experts' weights (the local shard under expert parallelism) in the compute dtype."""
-        return tuple(w.to_local().to(dtype) if isinstance(w, DTensor) else weight_in(self, name, dtype)
-                     for name, w in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)))
+        weights = []
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            local = self.sharding.local(weight)
+            weights.append(weight_in(self, name, dtype) if local is weight else local.to(dtype))
+        return tuple(weights)
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.
@@ -198,9 +203,14 @@ class SparseMoE(nn.Module):
         self.experts = RoutedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
         self.shared_expert = FeedForward(args.hidden_size, args.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
-        # Expert parallelism's dispatch (parallel/expert_parallel.py), attached by the parallelize function: then
-        # `experts` holds this rank's share of the experts and `_ep.routed` brings the other ranks' tokens to them.
-        self._ep = None
+        # How the routed tokens reach the experts (hooks.py): None, the local experts; under expert parallelism
+        # `experts` holds this rank's share of them and the dispatch brings the other ranks' tokens to them.
+        self.dispatch: ExpertDispatch | None = None
+
+    def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
+        """This layer's extension points (hooks.py): its dispatch and its experts' sharding."""
+        self.dispatch = None if hooks.expert_dispatch is None else hooks.expert_dispatch(self)
+        self.experts.sharding = hooks.sharding
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, S, D) -> output (B, S, D), expert counts (E,) and router probability sums (E,), both fp32."""
@@ -208,9 +218,9 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, D)
         probs, weights, ids = self.gate(x)
         counts = expert_counts(ids, self.num_experts)
-        if self._ep is None:
+        if self.dispatch is None:
             out = combine_expert_outputs(x, weights, ids, counts, self.experts)
         else:
-            out = self._ep.routed(x, weights, ids, counts, self.experts)
+            out = self.dispatch.routed(x, weights, ids, counts, self.experts)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (out + shared).reshape(shape), counts.detach().float(), probs.sum(dim=0)

@@ -32,7 +32,7 @@ def step(mesh, ids: torch.Tensor, ac_mode: str, compile: bool) -> dict:
         loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
         loss.backward()
     return {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in model.named_parameters()},
-            "traced": [getattr(layer, "moe_half_traced", None) for layer in model.layers.values()]}
+            "traced": [getattr(layer.runner, "moe_half_traced", None) for layer in model.layers.values()]}
 
 
 def main(out_path: str) -> None:

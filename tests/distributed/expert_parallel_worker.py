@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeArgs
 from models.qwen35_moe.moe import SparseMoE
-from parallel.parallelize import apply_expert_parallel
+from models.qwen35_moe.hooks import ParallelHooks
+from parallel.parallelize import DTensorSharding, shard_experts_for_dispatch
 
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
                      shared_expert_intermediate_size=8)
@@ -33,7 +34,8 @@ def check_expert_parallel_layer(reference: SparseMoE, out_ref: torch.Tensor, who
     """This rank's share of the layer under EP against the whole layer's output and gradients (float64)."""
     ep_layer = SparseMoE(ARGS)
     ep_layer.load_state_dict(reference.state_dict())
-    apply_expert_parallel(ep_layer, init_device_mesh("cpu", (ep,)), dispatch)
+    ep_layer.set_parallel_hooks(ParallelHooks(sharding=DTensorSharding(), expert_dispatch=shard_experts_for_dispatch(
+        ep_layer, init_device_mesh("cpu", (ep,)), dispatch)))
     if compiled:
         ep_layer.compile()
     x = xs[rank].clone().requires_grad_()

@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from harness.config import load_config
 from harness.trainer import Trainer
@@ -55,10 +56,11 @@ def skewed_router(self, x):
 def replica_spread(model) -> float | None:
     """The largest difference between ranks in the parameters FSDP leaves whole on every rank (the GDN layers'
     fp32 ones, the final norm's weight) and in their gradients, if any; None without FSDP."""
-    replicated = getattr(model, "replicated_params", None)
-    if replicated is None:
+    params = list(model.parameters())
+    if not any(isinstance(p, DTensor) for p in params):
         return None
-    mine = torch.cat([t.detach().reshape(-1) for p in replicated.params for t in (p, p.grad) if t is not None])
+    whole = [p for p in params if not isinstance(p, DTensor)]  # (the rest are FSDP's, EP's or the vocabulary's shards)
+    mine = torch.cat([t.detach().reshape(-1) for p in whole for t in (p, p.grad) if t is not None])
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return max((other - every[0]).abs().max().item() for other in every)
@@ -104,7 +106,7 @@ def main(out_path: str, *overrides: str) -> None:
             logits = trainer.model(batch["input_ids"][:1, :16].to(trainer.device)).logits
     if trainer.rank == 0:
         torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation,
-                    "vocab_parallel": trainer.model.embed_tokens._vocab_parallel is not None, "logits": logits,
+                    "vocab_parallel": trainer.model.embed_tokens.vocab_parallel is not None, "logits": logits,
                     "replica_spread": spread},
                    out_path)
     trainer.close()

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import parallel.reshard_policy as policy
+from parallel.parallelize import resharding_units
 from harness.config import load_config
 from harness.trainer import Trainer
 
@@ -44,14 +45,17 @@ def main(out: str, mode: str, capacity: str, *overrides: str) -> None:
     measured = []
     measure = policy.gathered_bytes
     policy.gathered_bytes = lambda units, memory: measured.append(measure(units, memory)) or measured[-1]
-    units = len(getattr(model, "fsdp_resharded_units", []))
+    units = len(resharding_units(model))
+    kept = []
+    keep = policy.keep_gathered_weights
+    policy.keep_gathered_weights = lambda chosen: kept.append(len(chosen)) or keep(chosen)
     trainer.train()
     losses = [json.loads(line)["loss"] for line in open(os.path.join(out, "dump", "metrics.jsonl"))
               if '"loss"' in line]
     if trainer.rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"losses": losses, "measured": measured, "units": units,
-                       "left": len(getattr(model, "fsdp_resharded_units", []))}, f)
+                       "left": units - sum(kept)}, f)
     trainer.close()
 
 

@@ -4,7 +4,7 @@ The first block's routed experts are an FSDP unit of their own, whose hooks brea
 compiled frames per code object and skips guards on FSDP-managed modules, so the other blocks reused the first
 block's frames, break included: two more compiled frames per block (the MoE, and the residual add after it), as a
 profiled FSDP=2 step on GPUs showed (60 compiled-function calls in the forward against one GPU's 40 at 8 layers).
-apply_compile gives the first block a copy of the forward's code; without it this test counts 11 frames where one
+parallel/compile.py gives the first block a copy of run_block's code; without it this test counts 11 frames where one
 process runs 9."""
 
 import torch

@@ -49,11 +49,11 @@ def test_compiled_full_checkpointing_traces_the_moe_half():
                                        reduce_dtype=torch.float32, ac_mode=mode, compile=True)
         if traced is False:  # as where the MoE half breaks the graph
             for layer in model.layers.values():
-                layer.moe_half_traced = False
+                layer.runner.moe_half_traced = False
         for _ in range(2):  # compiles, then runs the compiled graphs
             runs[mode, traced] = _step(model, ids, positions)
         if traced:
-            assert [layer.moe_half_traced for layer in model.layers.values()] == [True] * layers
+            assert [layer.runner.moe_half_traced for layer in model.layers.values()] == [True] * layers
     (loss, grads, ran), (loss_t, grads_t, ran_t), (loss_e, grads_e, ran_e) = runs.values()
     # Per layer: the two grouped GEMMs' input and weight gradients (4), no routing op.
     assert ran == (4 * layers, 0)

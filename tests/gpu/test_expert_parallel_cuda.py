@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeArgs
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
+from models.qwen35_moe.hooks import ParallelHooks
+from parallel.parallelize import DTensorSharding
 from parallel.expert_parallel import AllGatherExpertParallel, ExpertParallel, local_partial_outputs, shard_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -53,7 +55,7 @@ def test_one_rank_exchange_gives_the_plain_layer_bitwise_and_syncs_only_for_the_
     plain = plain.to("cuda", torch.bfloat16)
     ep = copy.deepcopy(plain)
     shard_experts(ep.experts, nccl_mesh)
-    ep._ep = dispatch(nccl_mesh)
+    ep.set_parallel_hooks(ParallelHooks(expert_dispatch=lambda moe: dispatch(nccl_mesh), sharding=DTensorSharding()))
     x = torch.randn(2, 300, ARGS.hidden_size, device="cuda", dtype=torch.bfloat16)
     probe = torch.randn(2, 300, ARGS.hidden_size, device="cuda")
 

@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor, moe
-from parallel.parallelize import apply_compile, parallelize_qwen35_moe
-from tests.builders import experts_in_one_graph, fp32_grad_tolerance, initialized_model
+from parallel.parallelize import parallelize_qwen35_moe
+from tests.builders import compile_blocks, experts_in_one_graph, fp32_grad_tolerance, initialized_model
 
 SEQ = 96
 
@@ -82,7 +82,7 @@ def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
     eager = initialized_model(get_flavor("debugmodel"))
     compiled = copy.deepcopy(eager)
     if ac_mode == "none":
-        apply_compile(compiled)
+        compile_blocks(compiled)
     else:
         monkeypatch.setattr(moe.RoutedExperts, "forward", experts_in_one_graph)
         parallelize_qwen35_moe(compiled, None, param_dtype=torch.float32, reduce_dtype=torch.float32,
@@ -115,7 +115,7 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
     torch._dynamo.reset()
     eager = initialized_model(get_flavor("debugmodel"))
     plain = copy.deepcopy(eager)
-    apply_compile(plain)
+    compile_blocks(plain)
     checkpointed = parallelize_qwen35_moe(copy.deepcopy(eager), None, param_dtype=torch.float32,
                                           reduce_dtype=torch.float32, ac_mode=ac_mode, compile=True)
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -123,9 +123,8 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
     for _ in range(2):  # compiles, then runs the compiled graphs
         loss_c, grads_c = _step(checkpointed, ids, None)
         _step(plain, ids, None)
-    grads_c = {n.replace("_checkpoint_wrapped_module.", ""): g for n, g in grads_c.items()}
     if ac_mode == "full":  # the CPU reference experts loop on the host: each MoE half's checkpoint is eager
-        assert [layer.moe_half_traced for layer in checkpointed.layers.values()] == [False] * len(checkpointed.layers)
+        assert [layer.runner.moe_half_traced for layer in checkpointed.layers.values()] == [False] * len(checkpointed.layers)
     calls, calls_plain = _compiled_graph_calls(checkpointed, ids), _compiled_graph_calls(plain, ids)
     # Every graph the compiled block runs, plus the forward graphs again in the recompute.
     assert calls > calls_plain > 0, (calls, calls_plain)
@@ -169,7 +168,7 @@ def test_full_checkpointing_compiles_each_moe_half_with_its_checkpoint(monkeypat
         loss_c, grads_c = _step(checkpointed, ids, None)
     # Each step: every layer's forward (entered, returned) and recompute (entered, stopped inside).
     assert projections == {"entered": 4 * len(eager.layers), "returned": 2 * len(eager.layers)}
-    assert [layer.moe_half_traced for layer in checkpointed.layers.values()] == [True] * len(checkpointed.layers)
+    assert [layer.runner.moe_half_traced for layer in checkpointed.layers.values()] == [True] * len(checkpointed.layers)
     assert loss_c == pytest.approx(loss, rel=1e-6)
     for name, grad in grads.items():
         tol = fp32_grad_tolerance(name)

@@ -7,13 +7,15 @@ import functools
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 import parallel.expert_parallel as expert_parallel
 from models.qwen35_moe import Qwen35MoeArgs
 from models.qwen35_moe.moe import SparseMoE
 from parallel.expert_parallel import ExpertParallel, shard_experts
-from parallel.activation_checkpointing import _saved_ops, _selective_policy
+from models.qwen35_moe.hooks import ParallelHooks
+from parallel.activation_checkpointing import _selective_context
+from parallel.parallelize import DTensorSharding
 
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
                      shared_expert_intermediate_size=8)
@@ -36,7 +38,7 @@ def layers(mesh):
     ep = SparseMoE(ARGS).double()
     ep.load_state_dict(plain.state_dict())
     shard_experts(ep.experts, mesh)
-    ep._ep = ExpertParallel(mesh)
+    ep.set_parallel_hooks(ParallelHooks(expert_dispatch=lambda moe: ExpertParallel(mesh), sharding=DTensorSharding()))
     return plain, ep
 
 
@@ -49,8 +51,7 @@ def grads(layer, x, run):
 
 
 FULL = functools.partial(checkpoint, use_reentrant=False)
-SELECTIVE = functools.partial(checkpoint, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(
-    _selective_policy(_saved_ops())))
+SELECTIVE = functools.partial(checkpoint, use_reentrant=False, context_fn=_selective_context)
 
 
 @pytest.mark.parametrize("ac", [FULL, SELECTIVE], ids=["full", "selective"])

@@ -6,7 +6,7 @@ import math
 import torch
 
 from models.qwen35_moe import get_flavor
-from parallel.activation_checkpointing import apply_activation_checkpointing
+from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import initialized_model
 
 ARGS = get_flavor("debugmodel")
@@ -39,14 +39,16 @@ def test_same_seed_same_weights_other_seed_other_weights_and_parameters_differ()
     assert not torch.equal(a["layers.0.mlp.gate.weight"], a["layers.1.mlp.gate.weight"])
 
 
-def test_activation_checkpoint_wrappers_do_not_change_the_weights():
+def test_activation_checkpointing_changes_neither_the_names_nor_the_weights():
     plain = initialized_model(ARGS, 5).state_dict()
     from models.qwen35_moe import Qwen35MoeModel
 
     with torch.device("meta"):
         model = Qwen35MoeModel(ARGS)
-    apply_activation_checkpointing(model, "full")  # parameter names gain `_checkpoint_wrapped_module.`
+    parallelize_qwen35_moe(model, None, param_dtype=None, reduce_dtype=None, ac_mode="full", compile=False)
     model.to_empty(device="cpu")
     model.init_weights(5)
-    wrapped = model.state_dict()
-    assert all(torch.equal(wrapped[k], v) for k, v in plain.items())
+    checkpointed = model.state_dict()
+    assert list(checkpointed) == list(plain) and [n for n, _ in model.named_parameters()] == [
+        n for n, _ in initialized_model(ARGS, 5).named_parameters()]
+    assert all(torch.equal(checkpointed[k], v) for k, v in plain.items())

@@ -107,10 +107,11 @@ def test_a_second_backward_through_the_loss_fails_instead_of_scaling_the_weight_
 
 
 @pytest.mark.parametrize("chunk", [5, 0])
-def test_gradients_computed_for_a_known_upstream_gradient_equal_the_whole_logits_in_float64(chunk):
-    """grad_scale (the trainer's world size / label tokens, known before the forward): the gradients are written
-    already scaled and the backward only hands them on; given exactly that upstream gradient they are the
-    reference's. Any other upstream gradient is refused (on CPU the device-side check raises at once)."""
+def test_a_scaled_sum_with_gradients_computed_ahead_equals_the_whole_logits_in_float64(chunk):
+    """`scale` (the trainer's world size / label tokens, known before the forward): the result is the sum times it
+    and its gradients are written already scaled, so the backward only hands them on; backpropagated with gradient
+    1, as the trainer does, everything is the reference's. Any other upstream gradient is refused (on CPU the
+    device-side check raises at once)."""
     g = torch.Generator().manual_seed(3)
     h = torch.randn(23, 16, generator=g, dtype=torch.float64)
     weight = torch.randn(40, 16, generator=g, dtype=torch.float64)
@@ -118,19 +119,21 @@ def test_gradients_computed_for_a_known_upstream_gradient_equal_the_whole_logits
     labels[[2, 3]] = -100
     scale = torch.tensor(2 / 21)  # fp32, as the trainer's: 2 ranks over 21 label tokens
 
-    def loss_and_grads(fn):  # backpropagated as the trainer does: the loss times `scale`, with 1
+    def loss_and_grads(fn):
         x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
         loss = fn(x, w)
-        (loss * scale).backward()
+        loss.backward()
         return loss.detach(), x.grad, w.grad
 
-    got = loss_and_grads(lambda x, w: linear_cross_entropy_sum(x, w, labels, chunk, grad_scale=scale))
-    want = loss_and_grads(lambda x, w: _reference(x, w, labels))
+    got = loss_and_grads(lambda x, w: linear_cross_entropy_sum(x, w, labels, chunk, scale=scale))
+    want = loss_and_grads(lambda x, w: _reference(x, w, labels) * scale)
     for name, a, b in zip(["loss", "dh", "dweight"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    with torch.no_grad():  # evaluation: the same scaled sum
+        torch.testing.assert_close(linear_cross_entropy_sum(h, weight, labels, chunk, scale=scale), got[0])
     h.requires_grad_()
-    loss = linear_cross_entropy_sum(h, weight, labels, chunk, grad_scale=scale)
-    with pytest.raises(RuntimeError, match="another gradient than its grad_scale"):
-        (loss * 2 * scale).backward()
+    loss = linear_cross_entropy_sum(h, weight, labels, chunk, scale=scale)
+    with pytest.raises(RuntimeError, match="gradient other than 1"):
+        (loss * 2).backward()
     with pytest.raises(ValueError, match="fp32 0-dim"):
-        linear_cross_entropy_sum(h, weight, labels, chunk, grad_scale=scale.to(torch.bfloat16))
+        linear_cross_entropy_sum(h, weight, labels, chunk, scale=scale.to(torch.bfloat16))

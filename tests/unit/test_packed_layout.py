@@ -8,8 +8,7 @@ from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor
 from models.qwen35_moe.documents import document_layout
-from parallel.parallelize import apply_compile
-from tests.builders import initialized_model
+from tests.builders import compile_blocks, initialized_model
 from tests.unit.test_compile import (
     SEQ,
     _positions,
@@ -52,7 +51,7 @@ def test_a_compiled_run_meeting_rows_of_one_document_does_not_compile_again(monk
     torch._dynamo.reset()
     eager = initialized_model(get_flavor("debugmodel"))
     compiled = initialized_model(get_flavor("debugmodel"))
-    apply_compile(compiled)
+    compile_blocks(compiled)
     g = torch.Generator().manual_seed(4)
     for i, documents in enumerate([[[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [96]], [[50, 46], [96]]]):
         if i == 2:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.qwen35_moe import get_flavor
-from parallel.activation_checkpointing import apply_activation_checkpointing
+from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import initialized_model
 
 
@@ -22,8 +22,11 @@ def _loss_and_grads(model, ids, positions):
     out = model(ids, positions)
     loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
     loss.backward()
-    # named_parameters (unlike state_dict) shows the wrapper's `_checkpoint_wrapped_module.` level.
-    return loss.item(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _checkpointed(model, mode: str):
+    return parallelize_qwen35_moe(model, None, param_dtype=None, reduce_dtype=None, ac_mode=mode, compile=False)
 
 
 def _assert_sharded_grads_match(sharded, plain):
@@ -49,8 +52,7 @@ def _whole_param_names(model) -> set[str]:
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_loss_grads_and_keys(mode):
     plain = _model()
-    wrapped = copy.deepcopy(plain)
-    apply_activation_checkpointing(wrapped, mode)
+    wrapped = _checkpointed(copy.deepcopy(plain), mode)
     assert list(wrapped.state_dict()) == list(plain.state_dict())
 
     g = torch.Generator().manual_seed(1)
@@ -76,8 +78,7 @@ class _OpCounter(TorchDispatchMode):
 
 def _backward_ops(mode: str) -> Counter:
     """The aten ops the backward of one step runs (a recompute runs forward ops inside the backward)."""
-    model = _model()
-    apply_activation_checkpointing(model, mode)
+    model = _checkpointed(_model(), mode)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 512, (2, 64), generator=g)
     out = model(ids)
@@ -105,18 +106,17 @@ def test_fsdp_reshard_after_forward_keeps_or_frees_gathered_weights(one_rank_mes
     (parallel/reshard_policy.py)."""
     from torch.distributed.tensor import DTensor
 
-    from parallel.parallelize import apply_fsdp, reshard_fsdp
+    from parallel.parallelize import apply_fsdp, reshard_fsdp, resharding_units
     from parallel.reshard_policy import keep_gathered_weights
 
     plain = _model()
     model = copy.deepcopy(plain)
     apply_fsdp(model, one_rank_mesh, None, None, reshard_after_forward=mode != "never")
-    # the units that free their weights: every block but the last, and the first block's experts (a unit of its own)
+    # the units built to free their weights: every block but the last, and the first block's experts (a unit of its own)
     layers = list(model.layers.values())
-    assert model.fsdp_resharded_units == ([] if mode == "never" else
-                                          [layers[0].mlp.experts, *layers[:-1]])
+    assert resharding_units(model) == [layers[0].mlp.experts, *layers[:-1]]
     if mode == "kept later":
-        assert keep_gathered_weights(model) == len(layers) and model.fsdp_resharded_units == []
+        keep_gathered_weights(resharding_units(model))
     reshard = mode == "default"
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(64).expand(1, 64)

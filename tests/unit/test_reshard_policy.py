@@ -11,7 +11,7 @@ import torch
 
 import parallel.reshard_policy as policy
 from models.qwen35_moe import get_flavor
-from parallel.parallelize import apply_fsdp
+from parallel.parallelize import apply_fsdp, resharding_units
 from tests.builders import initialized_model
 
 GIB = 1024**3
@@ -31,20 +31,20 @@ def _fsdp_model(mesh):
 @pytest.mark.parametrize("peak_gib, keeps", [(20, True), (70, False)])
 def test_on_a_gpu_the_blocks_keep_their_weights_where_they_fit(one_rank_mesh, monkeypatch, peak_gib, keeps):
     model = _fsdp_model(one_rank_mesh)
-    units = list(model.fsdp_resharded_units)
-    measured = []
+    units = resharding_units(model)
+    measured, kept = [], []
+    monkeypatch.setattr(policy, "keep_gathered_weights", kept.append)
     monkeypatch.setattr(policy, "gathered_bytes", lambda units, memory: measured.append(units) or 3 * GIB)
     monkeypatch.setattr(policy, "device_memory", lambda device: SimpleNamespace(peak=lambda: peak_gib * GIB,
                                                                                 capacity=lambda: 80 * GIB))
     line = policy.keep_if_it_fits(model, torch.device("cuda", 0), None)
     assert measured == [units]  # the units that free their weights were the ones measured
     assert ("keep their gathered weights" in line) == keeps and f"peak {peak_gib}.0 GiB + 3.0 GiB" in line
-    assert model.fsdp_resharded_units == ([] if keeps else units)
-    assert policy.keep_if_it_fits(model, torch.device("cuda", 0), None) == (None if keeps else line)  # once kept: done
+    layers = list(model.layers.values())
+    assert units == [layers[0].mlp.experts, *layers[:-1]]
+    assert kept == ([units] if keeps else [])
 
 
 def test_on_cpu_nothing_changes(one_rank_mesh):
     model = _fsdp_model(one_rank_mesh)
-    units = list(model.fsdp_resharded_units)
     assert "on CPU" in policy.keep_if_it_fits(model, torch.device("cpu"), None)
-    assert model.fsdp_resharded_units == units and units

@@ -177,22 +177,22 @@ def _in_dtype(weight: torch.Tensor, copy: torch.Tensor | None, dtype: torch.dtyp
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk: int, vocab, grad_scale, weight_copy):
+    def forward(ctx, h, weight, labels, chunk: int, vocab, scale, weight_copy):
         # The weight's gradient is returned in the weight's own dtype, so an fp32 weight cast here (one GPU without
         # FSDP, linear.py) gets its fp32 gradient without a rounding to h's dtype on the way.
-        ctx.dtypes, ctx.vocab, ctx.grad_scale = (h.dtype, weight.dtype), vocab, grad_scale
+        ctx.dtypes, ctx.vocab, ctx.scaled = (h.dtype, weight.dtype), vocab, scale is not None
         w = _in_dtype(weight, weight_copy, h.dtype)
-        total, grad_h, grad_w = _chunked(h, w, labels, chunk, True, vocab, grad_scale)
+        total, grad_h, grad_w = _chunked(h, w, labels, chunk, True, vocab, scale)
         ctx.save_for_backward(grad_h, grad_w)
-        return total
+        return total if scale is None else total * scale
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        if ctx.grad_scale is not None:  # the gradients were computed for this upstream gradient: check, no sync
-            torch._assert_async(grad_total == ctx.grad_scale,
-                                "linear_cross_entropy_sum: backpropagated with another gradient than its grad_scale")
+        if ctx.scaled:  # the gradients are already those of the scaled sum: check the sum's own is 1, no sync
+            torch._assert_async(grad_total == 1, "linear_cross_entropy_sum: a scaled sum was backpropagated with "
+                                "a gradient other than 1 (scale it through `scale` instead)")
         else:
             # Scaled in place: a copy would be a second weight-sized fp32 tensor (2 GiB for 35B-A3B's lm_head) at the
             # start of the backward, when the activations are all alive. (A second backward through the graph fails
@@ -205,7 +205,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int = 1024, vocab=None, grad_scale: torch.Tensor | None = None,
+                             chunk_tokens: int = 1024, vocab=None, scale: torch.Tensor | None = None,
                              weight_copy: torch.Tensor | None = None) -> torch.Tensor:
     """sum over tokens of cross_entropy(h @ weight.T, labels), labels == -100 ignored; h (N, D), weight (V, D),
     labels (N,). Returns an fp32 scalar (fp64 for fp64 inputs). chunk_tokens <= 0: all tokens in one chunk. The
@@ -214,18 +214,19 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
     `vocab`: a vocabulary-parallel shard (parallel/vocab_parallel.py) and `weight` its slice of the rows (a plain
     tensor): the loss of this rank's tokens. Every rank of the shard group calls it with as many tokens.
 
-    `grad_scale`: the gradient the sum will be backpropagated with, if known before the forward (an fp32 0-dim
-    tensor; the trainer's is world size / global label tokens). The logits' gradients are then written already
-    scaled, so the backward hands the stored gradients on without a scaling pass over the weight's (1.1 ms a step
-    for 35B-A3B's lm_head on an H200); it checks on the device, without a host sync, that the upstream gradient is
-    exactly grad_scale (a mismatch is a device-side assert). Not with `vocab`.
+    `scale`: an fp32 0-dim tensor known before the forward (the trainer's: world size / global label tokens):
+    the result is the sum times `scale`, and the logits' gradients are written already scaled, so the backward
+    hands the stored gradients on without a scaling pass over the weight's (a read and write of the lm_head's
+    fp32 gradient, 2 GiB at 35B-A3B). Backpropagate it with gradient 1 (as a term of the loss being
+    backpropagated): the backward checks that on the device, without a host sync (otherwise a device-side
+    assert). Not with `vocab`, where the caller multiplies the sum instead.
 
     `weight_copy`: the weight's kept copy (linear.py), read in place of casting the weight when it is in h's dtype."""
     chunk = chunk_tokens if chunk_tokens > 0 else max(h.shape[0], 1)
-    if grad_scale is not None and (vocab is not None or grad_scale.dtype != torch.float32 or grad_scale.ndim):
-        raise ValueError(f"linear_cross_entropy_sum: grad_scale must be an fp32 0-dim tensor and vocab None, got "
-                         f"{grad_scale.dtype} of shape {tuple(grad_scale.shape)} and vocab {vocab}")
+    if scale is not None and (vocab is not None or scale.dtype != torch.float32 or scale.ndim):
+        raise ValueError(f"linear_cross_entropy_sum: scale must be an fp32 0-dim tensor and vocab None, got "
+                         f"{scale.dtype} of shape {tuple(scale.shape)} and vocab {vocab}")
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h, weight, labels, chunk, vocab, grad_scale, weight_copy)
-    w = _in_dtype(weight, weight_copy, h.dtype)
-    return _chunked(h, w, labels, chunk, False, vocab)[0]
+        return _LinearCrossEntropy.apply(h, weight, labels, chunk, vocab, scale, weight_copy)
+    total = _chunked(h, _in_dtype(weight, weight_copy, h.dtype), labels, chunk, False, vocab)[0]
+    return total if scale is None else total * scale

@@ -1,0 +1,111 @@
+"""Where parallelism enters the model: the extension points it declares, their single-device defaults, and the one
+object that sets them all (`ParallelHooks`, given to `Qwen35MoeModel.set_parallel_hooks` by the parallelize
+function, parallel/parallelize.py).
+
+| extension point | declared on | single device | set by parallel/ |
+|---|---|---|---|
+| `context_parallel: ContextParallel` | the model, each mixer | None: the rows are whole | `CPContext` (context_parallel.py) |
+| `dispatch: ExpertDispatch` | each SparseMoE | None: the local experts | all-gather / all-to-all (expert_parallel.py) |
+| `sharding: ParamSharding` | the model, each RoutedExperts | `UNSHARDED` | `DTensorSharding` (parallelize.py) |
+| `vocab_parallel: VocabParallel` | the embedding, the lm_head | None: the whole table | `VocabShard` (vocab_parallel.py) |
+| `runner: BlockRunner` | each DecoderLayer | `run_block`: plain | compile / AC (compile.py, activation_checkpointing.py) |
+| `compute_dtype`, `weight_copies` | the model | None: the weights' dtype | one GPU's mixed precision (linear.py) |
+
+The model imports nothing from torch.distributed: the protocols below say what it calls, parallel/ implements them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from .documents import DocumentLayout
+    from .linear import WeightCopies
+
+
+class ContextParallel(Protocol):
+    """One context-parallel group: this rank holds its zigzag share of every row (docs/design.md, context parallel
+    layout)."""
+
+    rank: int
+    size: int
+    mesh: Any  # the CP DeviceMesh
+
+    def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """(..., S/cp, ...) this rank's zigzag tokens -> (..., S, ...) the whole rows in natural order."""
+
+    def scatter_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """(..., S, ...) partial sums in natural order -> this rank's zigzag tokens of their sum over the group."""
+
+    def local_layout(self, position_ids: torch.Tensor) -> DocumentLayout:
+        """The document layout of this rank's share of the rows, given its (B, S/cp) position ids."""
+
+
+class ExpertDispatch(Protocol):
+    """How a MoE layer's routed tokens reach their experts and come back."""
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+               experts: torch.nn.Module) -> torch.Tensor:
+        """x (N, D), top-k weights and expert ids (N, k), counts (E,) -> (N, D), each token's weighted sum of its
+        experts' outputs."""
+
+
+class ParamSharding(Protocol):
+    """How a parameter relates to this rank's tensor of it."""
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor this rank holds of `param` (e.g. its experts under expert parallelism)."""
+
+    def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `full`, a whole tensor of `param`'s global shape."""
+
+
+class VocabParallel(Protocol):
+    """The embedding and the lm_head sharded by vocabulary rows: the tokens travel, the weights stay."""
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """ids (...) -> (..., hidden) rows of the sharded table."""
+
+    def local(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a sharded weight."""
+
+    def full(self, weight: torch.Tensor) -> torch.Tensor:
+        """The whole weight (gathered; evaluation's logits only)."""
+
+
+BlockRunner = Callable[[torch.nn.Module, torch.Tensor, "DocumentLayout"], tuple]
+"""(layer, h, layout) -> the DecoderLayer's outputs, running its two halves (`mixer_half`, `moe_half`) as it
+chooses: plainly, compiled, checkpointed."""
+
+
+class _Unsharded:
+    """Every parameter is whole on this rank."""
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        return param
+
+    def local_part(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+
+UNSHARDED: ParamSharding = _Unsharded()
+
+
+@dataclass
+class ParallelHooks:
+    """Everything the parallelize function sets in the model, in one call (`Qwen35MoeModel.set_parallel_hooks`).
+    A field left at its default keeps the single-device behaviour."""
+
+    context_parallel: ContextParallel | None = None
+    # One dispatch per MoE layer (the all-to-all keeps its layer's split sizes for the checkpointing recompute).
+    expert_dispatch: Callable[[torch.nn.Module], ExpertDispatch] | None = None
+    sharding: ParamSharding = UNSHARDED
+    vocab_parallel: VocabParallel | None = None
+    # Per block index: how that block runs (compiled, checkpointed).
+    block_runners: list[BlockRunner] | None = None
+    compute_dtype: torch.dtype | None = None
+    weight_copies: WeightCopies | None = None
