@@ -38,7 +38,7 @@ def launch(work: Path, name: str, *extra: str) -> subprocess.Popen:
             "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL), "--checkpoint.keep_latest_k", "1",
             *extra]
     log = open(work / f"{name}.log", "w")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, process_group=0, text=True)
 
 
 def finish(proc: subprocess.Popen, name: str) -> None:

@@ -21,6 +21,7 @@ import os
 import sys
 import tomllib
 import types
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin, get_type_hints
 
@@ -384,6 +385,16 @@ def _check_values(cfg: JobConfig) -> None:
     factor = cfg.lr_scheduler.min_lr_factor
     if not 0 <= factor <= 1:
         raise ConfigError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {factor}")
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"
+
+
+def with_default_config(argv: list[str]) -> list[str]:
+    """`argv`, with `--config` of the embedded default (train_configs/debug_model.toml) where it names none."""
+    if any(a == "--config" or a.startswith("--config=") for a in argv):
+        return argv
+    return ["--config", str(DEFAULT_CONFIG), *argv]
 
 
 def load_config(argv: list[str]) -> JobConfig:

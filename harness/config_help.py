@@ -1,4 +1,6 @@
-"""`--help`: every config section and key with its type, default and the comment it has in harness/config.py.
+"""`--help`: every config section and key with its type, its value in the run the command line describes (the
+config file, default train_configs/debug_model.toml, and the overrides before `--help`), the built-in default
+where that differs, and the comment it has in harness/config.py.
 
 The comments are read from the source of the section dataclasses, so the help cannot drift from them.
 """
@@ -12,13 +14,13 @@ from typing import Literal, get_args, get_origin
 
 from . import config
 
-USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]   (or python -m harness.train ...)
+USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
 
 Trains Qwen3.5-MoE as FILE describes (default: train_configs/debug_model.toml); any key below can be set in
 FILE or on the command line (--key VALUE or --key=VALUE; lists as 0.9,0.95; "none" for optional numbers).
 Relative input paths in FILE are relative to FILE's folder; on the command line and for outputs, to the
-current directory. Exit codes: 0 done, 2 bad input (one `error:` line), 3 diverged (NaN / inf loss).
-Environment (run_train.sh): NGPU, NNODES, RDZV_ENDPOINT, RDZV_ID, LOG_RANK, PYTHON.
+current directory. Exit codes: 0 done, 2 bad input (one `error:` line), 3 diverged (NaN / inf loss),
+130 Ctrl-C. Environment: NGPU, NNODES, RDZV_ENDPOINT, RDZV_ID, LOG_RANK, PYTHON.
 """
 
 _FIELD = re.compile(r"^\s{4}(\w+)\s*:")
@@ -58,16 +60,34 @@ def _shown(default) -> str:
     return '""' if default == "" else str(default)
 
 
-def config_help() -> str:
-    lines = [USAGE]
+def config_help(argv: list[str]) -> str:
+    """The help for the run `argv` (its `--help` left out) describes."""
+    argv = config.with_default_config([a for a in argv if a not in ("-h", "--help")])
+    try:
+        run = config.load_config(argv)
+        source = (f"Values are this run's ({_config_file(argv)} and the command line),\nwith the built-in "
+                  f"default where it differs.")
+    except config.ConfigError as err:  # the keys still help; the run's values cannot be shown
+        run, source = config.JobConfig(), f"Values are the built-in defaults: the run's config could not be read: {err}"
+    lines = [USAGE, source, ""]
+    builtin = config.JobConfig()
     for section in dataclasses.fields(config.JobConfig):
-        cls = section.default_factory
-        defaults, comments = cls(), _comments(cls)
+        comments = _comments(section.default_factory)
         lines.append(f"[{section.name}]")
         for key, hint in config._SCHEMA[section.name].items():
-            default = getattr(defaults, key)
-            lines.append(f"  --{section.name}.{key}  ({_type_name(hint)}, default {_shown(default)})")
+            value, default = getattr(getattr(run, section.name), key), getattr(getattr(builtin, section.name), key)
+            shown = _shown(value) + ("" if value == default else f", built-in {_shown(default)}")
+            lines.append(f"  --{section.name}.{key}  ({_type_name(hint)}, {shown})")
             if comments.get(key):
                 lines.append(f"      {comments[key]}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _config_file(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "no config file"

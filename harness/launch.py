@@ -26,12 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import ConfigError, load_config, validate_parallelism
+from .config import ConfigError, load_config, validate_parallelism, with_default_config
 from .preflight import check_run_requirements
-from .train import BAD_INPUT
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"
-
+from .train import BAD_INPUT, INTERRUPTED, STARTING
 
 def visible_gpus() -> int:
     """GPUs this process may use, counted without importing torch (CUDA_VISIBLE_DEVICES, else the driver's list)."""
@@ -57,13 +54,11 @@ def cpu_thread_settings(procs_per_node: int, environ: dict[str, str]) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    argv = with_default_config(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         from .config_help import config_help
 
-        print(config_help())
+        print(config_help(argv))
         return 0
     nproc = int(os.environ.get("NGPU") or visible_gpus() or 1)
     nnodes = int(os.environ.get("NNODES", "1"))
@@ -114,4 +109,8 @@ def run_torchrun(argv: list[str], nproc: int, nnodes: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before a worker has its own handler: one line, no traceback
+        print(STARTING, file=sys.stderr)
+        sys.exit(INTERRUPTED)

@@ -74,6 +74,30 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
+class DeviceClock:
+    """Moments on the device's own timeline: a CUDA event (recorded after the work queued so far, timed when the GPU
+    reaches it), or on CPU, where work has run when it returns, the host's clock. The time between two moments is
+    what the device spent between them, whenever the host reads it: a step's rate does not depend on when its
+    metrics are read."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        """Seconds from `start` to `end` (moments of `now`); waits for `end` to be reached."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+
 def max_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, resident set size on CPU."""
     if device.type == "cuda":

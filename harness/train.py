@@ -1,5 +1,6 @@
 """Worker entry point: `python -m harness.train [--config FILE] [--section.key value ...]`, one per rank (launched
-by harness/launch.py, which run_train.sh wraps, or by torchrun directly). `--help` lists every key.
+by harness/launch.py, which run_train.sh wraps, or by torchrun directly); without --config, the embedded default
+(train_configs/debug_model.toml), as run_train.sh. `--help` lists every key.
 
 Exit codes: 0 done, or stopped by SIGTERM (after saving a checkpoint when checkpointing is on); 2 bad input
 (one `error:` line, printed before any process group or output file exists; or a checkpoint that cannot be
@@ -16,18 +17,19 @@ import logging
 import os
 import sys
 
-from .config import ConfigError, load_config, validate_parallelism
+from .config import ConfigError, load_config, validate_parallelism, with_default_config
 from .preflight import check_run_requirements
 
 BAD_INPUT, DIVERGED, INTERRUPTED = 2, 3, 130
+STARTING = "interrupted while starting; nothing saved"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = with_default_config(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         from .config_help import config_help
 
-        print(config_help())
+        print(config_help(argv))
         return 0
     try:
         cfg = load_config(argv)
@@ -38,21 +40,26 @@ def main(argv: list[str] | None = None) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     name = cfg.job.name.replace("%", "%%")  # the format string below is %-style
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[{name} %(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
-    from models.qwen35_moe.kernels.gated_delta_rule import FlaKernelsUnavailableError
+    logging.basicConfig(level=logging.WARNING, format=f"[{name} %(asctime)s rank{rank}] %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+    for ours in ("harness", "models", "parallel"):  # the project's own progress lines; libraries' warnings only
+        logging.getLogger(ours).setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    try:  # heavy imports only once the config is valid; Ctrl-C while they load is a stop like any other
+        from models.qwen35_moe.kernels.gated_delta_rule import FlaKernelsUnavailableError
 
-    from .checkpoint.checkpointer import CheckpointError
-    from .data.loader import DataError
-    from .preemption import TERMINATED, TrainingStopped
-    from .trainer import Trainer, TrainingDivergedError  # heavy imports only once the config is valid
+        from .checkpoint.checkpointer import CheckpointError
+        from .data.loader import DataError
+        from .preemption import TERMINATED, TrainingStopped
+        from .trainer import Trainer, TrainingDivergedError
+    except KeyboardInterrupt:
+        return _stop(INTERRUPTED, STARTING)
 
     try:
         trainer = Trainer(cfg)
     except (FlaKernelsUnavailableError, CheckpointError, DataError) as err:  # the machine, dump folder or data
         return _fail(BAD_INPUT, err)
     except KeyboardInterrupt:
-        return _stop(INTERRUPTED, "interrupted while starting; nothing saved")
+        return _stop(INTERRUPTED, STARTING)
     trainer.stop.install()
     try:
         trainer.train()
@@ -92,7 +99,10 @@ def _record_exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before the handlers above are in place (reading the config)
+        code = _stop(INTERRUPTED, STARTING)
     # Collect the finished trainer, and with it its process groups, while the interpreter is whole: a gloo worker
     # thread still dropping its last collective once finalization has begun takes the GIL, is killed by Python,
     # and aborts the process ("terminate called without an active exception", exit -6), at random under CPU load.

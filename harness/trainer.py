@@ -26,7 +26,14 @@ from .config import JobConfig, to_toml, validate_parallelism
 from .data.loader import build_dataloader
 from .loss import balance_loss_share, global_label_tokens, routing_loads
 from .optim.lr_schedule import build_lr_scheduler
-from .metrics import MetricsLogger, max_memory_gib, mean_attended_keys, peak_flops, training_flops_per_token
+from .metrics import (
+    DeviceClock,
+    MetricsLogger,
+    max_memory_gib,
+    mean_attended_keys,
+    peak_flops,
+    training_flops_per_token,
+)
 from .model_setup import DTYPES, build_model, build_model_args
 from .optim.fast_adam import FastAdam
 from .optim.optimizer import build_optimizer
@@ -46,20 +53,19 @@ class TrainingDivergedError(RuntimeError):
 class StepValues:
     """A step's values (`Trainer._step`), copied to the host as soon as the step's kernels have run: reading them
     waits for that step only. (Read from the device, they would wait for every kernel queued after them too, the
-    next step's included.)"""
+    next step's included.) `ended`: the moment the step ended on the device (metrics.DeviceClock)."""
 
-    def __init__(self, values: torch.Tensor):
+    def __init__(self, values: torch.Tensor, clock: DeviceClock):
         if values.device.type == "cuda":
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
         else:
-            self.host, self.copied = values, None
+            self.host = values
+        self.ended = clock.now()
 
     def read(self) -> list[float]:
-        if self.copied is not None:
-            self.copied.synchronize()
+        if isinstance(self.ended, torch.cuda.Event):
+            self.ended.synchronize()
         return self.host.tolist()
 
 
@@ -113,10 +119,12 @@ class Trainer:
         if resume_step is not None:
             train_state = self.checkpointer.resume(resume_step)
             self.step, tb_run = train_state["step"], train_state["tb_run"]
+        self.first_step = self.step  # where this launch starts
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0, job_name=cfg.job.name,
                                      resume_step=self.step if resume_step is not None else None, tb_run=tb_run)
         self.peak_flops = peak_flops(self.device)
+        self.clock = DeviceClock(self.device)
         self.last: dict[str, float] = {}
         self.pending: list[tuple[int, StepValues]] = []  # (step, its unread `_step` values) since the last read
         self.started = time.perf_counter()
@@ -150,7 +158,7 @@ class Trainer:
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over the global batch (this data-parallel rank's rows); returns the global loss,
         balance loss and grad norm (and raises TrainingDivergedError if they are not finite)."""
-        return self._read([(self.step, StepValues(self._step(microbatches)))])
+        return self._read([(self.step, StepValues(self._step(microbatches), self.clock))])
 
     def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step; returns (loss, aux_loss, grad_norm, expert_load, ep_rank_load) on the device,
@@ -219,29 +227,34 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         cfg = self.cfg
+        if self.step >= cfg.training.steps and self.rank == 0:
+            logger.info("nothing to train: resumed at step %d, and training.steps is %d (raise it to train on)",
+                        self.step, cfg.training.steps)
         accum = self.layout.grad_accum_steps
         data = iter(self.dataloader)
         tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum // self.dims.cp
-        window: list[tuple[int, float, float]] = []  # (step, mean attended keys, lr) of the steps not yet logged
-        window_start = time.perf_counter()
+        # (step, mean attended keys, lr, the moments it began and ended on the device) of the steps not yet logged
+        window: list[tuple[int, float, float, object, object]] = []
+        step_start = self.clock.now()
         log_due = None  # a step whose metrics are due, logged once the next step is queued (see below)
         self.model.train()
         profiler = StepProfiler(cfg, self.rank, self.device, start_step=self.step)
         gc_freq = cfg.training.gc_freq
         reshard_auto = cfg.parallelism.fsdp_reshard_after_forward == "auto"
+        pause = False  # whether something other than training ran since the last step
 
         def log(step: int) -> None:
-            nonlocal window, window_start
+            nonlocal window
             last = self.read_pending(through=step)  # the host waits for the GPU to finish `step` here
             done, window = [w for w in window if w[0] <= step], [w for w in window if w[0] > step]
-            now = time.perf_counter()
-            tps = len(done) * tokens_per_step_local / (now - window_start)  # per device, as torchtitan reports it
+            # The device's time for these steps, however late the host reads them (metrics.DeviceClock)
+            seconds = sum(self.clock.seconds(began, ended) for *_, began, ended in done)
+            tps = len(done) * tokens_per_step_local / seconds  # per device, as torchtitan reports it
             # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
             flops = training_flops_per_token(self.model_args, sum(w[1] for w in done) / len(done))
             mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
             self.metrics.log(step, {**last, "lr": done[-1][2], "tokens_per_sec": tps, "mfu": mfu,
                                     "max_memory_gib": max_memory_gib(self.device)})
-            window_start = now
 
         if gc_freq:
             gc.disable()
@@ -253,15 +266,19 @@ class Trainer:
                     gc.collect(1)
                 lr = self.optimizer.param_groups[0]["lr"]
                 batches = [next(data) for _ in range(accum)]
-                self.pending.append((self.step, StepValues(self._step(batches))))
+                values = StepValues(self._step(batches), self.clock)
+                self.pending.append((self.step, values))
+                window.append((self.step, sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr,
+                               step_start, values.ended))
+                step_start = values.ended
                 if reshard_auto:  # the launch's first step: its peak is known once it is read
                     self.read_pending()
                     line = keep_if_it_fits(self.model, self.device, self.cpu_group)
                     if line is not None and self.rank == 0:
                         logger.info(line)
                     reshard_auto = False
+                    pause = True
                 profiler.step(self.step)
-                window.append((self.step, sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr))
                 # A due step is logged one step late, once this step is queued: reading it then does not drain
                 # the GPU's queue, which with log_freq 1 left the GPU idle at every step's start while the host
                 # queued the next forward. The first and last steps, and any step that validates, saves or stops,
@@ -281,8 +298,10 @@ class Trainer:
                 if validate:
                     self.read_pending()  # never validate (or save) weights a non-finite step produced
                     self.metrics.log_validation(self.step, self.validator.validate(self.model))
-                    window_start = time.perf_counter()  # validation time is not training throughput
+                    pause = True
                 saved = self._maybe_save(force=bool(stop))
+                if pause or saved:  # validation, a save, "auto"'s measure: not training time
+                    step_start, pause = self.clock.now(), False
                 if stop:
                     raise TrainingStopped(self.step, stop, saved)
             self.stop.settle()  # the last boundary's vote, which every rank started
@@ -327,15 +346,18 @@ class Trainer:
         if self.rank != 0:
             return
         cfg, folder = self.cfg, os.path.abspath(self.cfg.job.dump_folder)
-        tokens = self.step * self.layout.global_batch_size * cfg.training.seq_len
+        steps = self.step - self.first_step  # this launch's
+        tokens = steps * self.layout.global_batch_size * cfg.training.seq_len
         outputs = ["metrics.jsonl", "config.toml"]
         if self.metrics.tb_dir is not None:
             outputs.append(os.path.relpath(self.metrics.tb_dir, folder) + "/")
         if cfg.checkpoint.export_hf_at_end:
             outputs.append("hf/")
-        print(f"[{cfg.job.name}] done: {self.step} steps, {tokens:,} tokens in "
-              f"{time.perf_counter() - self.started:.0f} s, final loss {self.last.get('loss', float('nan')):.4f}; "
-              f"outputs in {folder}: {', '.join(outputs)}", flush=True)
+        resumed = f" (resumed at step {self.first_step}, now {self.step})" if self.first_step else ""
+        work = (f"{steps} step{'s' if steps != 1 else ''}{resumed}, {tokens:,} tokens in {time.perf_counter() - self.started:.0f} s, final loss "
+                f"{self.last['loss']:.4f}" if steps else
+                f"nothing to train: step {self.step} of training.steps {cfg.training.steps} already done")
+        print(f"[{cfg.job.name}] done: {work}; outputs in {folder}: {', '.join(outputs)}", flush=True)
 
     def export_hf(self) -> None:
         """Write the trained weights as a Hugging Face folder at <dump_folder>/hf."""

@@ -50,15 +50,21 @@ def test_divergence_exits_3_with_the_workers_error_and_no_launcher_traceback(ngp
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
 
 
-def test_help_lists_every_key_with_type_default_and_comment():
+def test_help_lists_every_key_with_the_runs_value_the_builtin_default_and_comment():
+    """The values are those of the run the same command line would start: the embedded default's config file,
+    then the overrides given with --help."""
     result = run_train("--help")
     assert result.returncode == 0
     from harness.config import _ALL_KEYS
 
     for key in _ALL_KEYS:
         assert f"--{key}  (" in result.stdout, key
-    assert "--training.steps  (int, default 10)\n      optimizer steps to run" in result.stdout
+    assert "--training.steps  (int, 200, built-in 10)\n      optimizer steps to run" in result.stdout
+    assert "--optimizer.lr  (float, 0.003, built-in 0.0008)" in result.stdout
+    assert "--metrics.enable_tensorboard  (bool, true)" in result.stdout  # the same in both: shown once
+    assert "python -m harness.train" not in result.stdout
     assert run_train("-h").stdout == result.stdout
+    assert "--training.steps  (int, 7, built-in 10)" in run_train("--training.steps", "7", "--help").stdout
 
 
 def test_python_variable_picks_the_interpreter_and_one_without_torch_is_one_error_line(tmp_path):
