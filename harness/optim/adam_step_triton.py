@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_adam import KERNEL_ALIGNMENT, fits_kernel_dtypes
+from .adam_step_inputs import KERNEL_ALIGNMENT, fits_kernel_dtypes
 
 
 @triton.jit
