@@ -71,19 +71,22 @@ def test_cuda_chunked_loss_errs_no_more_than_plain_bf16(chunk, scaled):
     weight = (torch.randn(VOCAB, 256, generator=g) * 0.1).to(torch.bfloat16).cuda()
     labels = _labels(300, g).cuda()
 
-    def loss_and_grads(fn, h, weight):
+    def loss_and_grads(fn, h, weight, upstream=0.7):
         h, weight = h.detach().requires_grad_(), weight.detach().requires_grad_()
         loss = fn(h, weight)
-        (loss * 0.7).backward()
-        return loss.detach(), h.grad, weight.grad
+        (loss * upstream).backward()
+        return loss.detach() / (0.7 / upstream), h.grad, weight.grad  # the unscaled sum
 
     def plain(h, weight):
         logits = h @ weight.t()
         return F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, labels,
                                ignore_index=-100, reduction="sum")
 
-    grad_scale = torch.tensor(0.7, device="cuda") if scaled else None  # exactly loss_and_grads' upstream gradient
-    ours = loss_and_grads(lambda a, b: linear_cross_entropy_sum(a, b, labels, chunk, grad_scale=grad_scale), h, weight)
+    if scaled:  # the sum times 0.7, its gradients computed already scaled: backpropagated with 1
+        scale = torch.tensor(0.7, device="cuda")
+        ours = loss_and_grads(lambda a, b: linear_cross_entropy_sum(a, b, labels, chunk, scale=scale), h, weight, 1.0)
+    else:
+        ours = loss_and_grads(lambda a, b: linear_cross_entropy_sum(a, b, labels, chunk), h, weight)
     bf16 = loss_and_grads(plain, h, weight)
     truth = loss_and_grads(plain, h.double(), weight.double())
     assert ours[0].dtype == torch.float32 and ours[1].dtype == ours[2].dtype == torch.bfloat16
@@ -159,7 +162,8 @@ def test_vocab_parallel_on_one_nccl_rank_gives_the_plain_embedding_and_loss_with
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     h = shard.embed(ids, t)
-                    loss = shard.head((h + probe.bfloat16()).flatten(0, 1), w, labels, 64)
+                    loss = linear_cross_entropy_sum((h + probe.bfloat16()).flatten(0, 1), shard.local(w), labels, 64,
+                                                    vocab=shard)
                     loss.backward()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
