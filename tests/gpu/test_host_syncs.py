@@ -48,19 +48,25 @@ def test_forward_and_backward_make_no_host_sync():
 
 def test_a_steps_metrics_are_read_without_waiting_for_the_work_queued_after_them():
     """The trainer reads step t's metrics once step t + 1 is queued (harness/trainer.py): the read must wait for
-    step t's kernels only. A 0.5 s kernel queued after the values stands in for the next step."""
+    step t's kernels only, and the step's time on the device (metrics.DeviceClock) is its own. A 0.5 s kernel
+    queued after the values stands in for the next step."""
     import time
 
+    from harness.metrics import DeviceClock
     from harness.trainer import StepValues
 
-    values = torch.arange(5.0, device="cuda") * 2
+    clock = DeviceClock(torch.device("cuda"))
     torch.cuda.synchronize()
-    pending = StepValues(values)
+    began = clock.now()
+    values = torch.arange(5.0, device="cuda") * 2
+    pending = StepValues(values, clock)
     torch.cuda._sleep(1_000_000_000)  # the "next step": 10^9 GPU cycles, >= 0.5 s at H100/H200 clocks (<= 2 GHz)
     start = time.perf_counter()
     read = pending.read()
     waited = time.perf_counter() - start
+    step_seconds = clock.seconds(began, pending.ended)
     still_busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert read == [0.0, 2.0, 4.0, 6.0, 8.0]
     assert still_busy and waited < 0.1, (waited, still_busy)
+    assert step_seconds < 0.1 <= clock.seconds(began, clock.now()), step_seconds  # the next step's time is not its
