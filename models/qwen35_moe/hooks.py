@@ -28,8 +28,7 @@ if TYPE_CHECKING:
 
 
 class ContextParallel(Protocol):
-    """One context-parallel group: this rank holds its zigzag share of every row (docs/design.md, context parallel
-    layout)."""
+    """One context-parallel group: this rank holds its zigzag share of every row (docs/design.md, "Parallelism")."""
 
     rank: int
     size: int
@@ -78,7 +77,7 @@ class VocabParallel(Protocol):
 
 
 BlockRunner = Callable[[torch.nn.Module, torch.Tensor, "DocumentLayout"], tuple]
-"""(layer, h, layout) -> the DecoderLayer's outputs, running its two halves (`mixer_half`, `moe_half`) as it
+"""(layer, h, layout) -> the DecoderLayer's outputs, running the block (its mixer and MoE halves) as it
 chooses: plainly, compiled, checkpointed."""
 
 

@@ -85,8 +85,14 @@ class LMHead(Linear):
 
 
 def run_block(layer: DecoderLayer, h: torch.Tensor, layout: DocumentLayout):
-    """A DecoderLayer's forward as written: the mixer half, then the MoE half (the default `runner`)."""
-    return layer.moe_half(layer.mixer_half(h, layout))
+    """A DecoderLayer's forward as written (the default `runner`): the mixer with its residual, then the MoE with
+    its. Spelled out rather than through the halves' methods: under compile each function that a graph break (FLA's
+    call; on CPU and under EP also the experts') passes through becomes frames that dynamo compiles separately, and
+    a level more split the residual add from the next norm's fused kernel (docs/performance.md, "Hand-written
+    pieces against the libraries")."""
+    h = h + layer.mixer(layer.input_layernorm(h), layout)
+    moe_out, counts, prob_sums = layer.mlp(layer.post_attention_layernorm(h))
+    return h + moe_out, counts, prob_sums
 
 
 class DecoderLayer(nn.Module):
@@ -112,13 +118,9 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
 
-    # The halves are separate methods so that activation checkpointing can treat them differently
-    # (parallel/activation_checkpointing.py calls the mixer's `core` and `project` apart: hooks on the mixer module
-    # itself do not run then).
-    def mixer_half(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """The token mixer with its residual: h + mixer(norm(h))."""
-        return h + self.mixer(self.input_layernorm(h), layout)
-
+    # The halves as methods, for activation checkpointing to treat them differently (parallel/
+    # activation_checkpointing.py calls the mixer's `core` and `project` apart: hooks on the mixer module itself do
+    # not run then).
     def mixer_core(self, h: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """The token mixer of norm(h) up to its output projection."""
         return self.mixer.core(self.input_layernorm(h), layout)
