@@ -10,10 +10,12 @@ NAME[@GPUS][:TREE]=OVERRIDES: GPUS > 1 runs it under torchrun (FSDP over that ma
 TREE runs another checkout's code (its benchmarks/train_throughput.py, e.g. a `git worktree add /tmp/old COMMIT`),
 and OVERRIDES are trainer flags added after the shared ones given after `--`. Code against code:
 
-    python benchmarks/alternate.py --variant main= --variant old:/tmp/old= -- --compile.enable true The report gives each variant's figures,
-peak memory and ratio to the first variant, paired round by round. Why alternate: the same code ran 2-4% apart on
-two H200 machines (FSDP=2 over one GPU: 86% on one machine, 93% on others), while changes worth keeping were
-~1.5%; only pairs run back to back on one machine resolved them. Exits non-zero if any run failed.
+    python benchmarks/alternate.py --variant main= --variant old:/tmp/old= -- --compile.enable true
+
+The report gives each variant's figures, peak memory and ratio to the first variant, paired round by round. Why
+alternate: the same code runs a few percent apart on two hosts of one kind, and FSDP's ratio to one GPU more
+(docs/performance.md, "How to read them" and "FSDP over 2 GPUs against one GPU"), as much as a change worth keeping
+gains; pairs run back to back on one host resolve them. Exits non-zero if any run failed.
 """
 
 from __future__ import annotations

@@ -53,8 +53,9 @@ def step_losses(metrics: Path) -> dict[int, float]:
 def run_figures(metrics: Path, warmup: int) -> dict | None:
     """Medians over a run's steps after `warmup` (metrics.jsonl): tokens/s per device and MFU (None on CPU), and
     the peak memory and last loss of the run; None if no step was timed. Also the spread of those steps' rates:
-    their harmonic mean (the rate over their total time) and their lowest and highest; runs of the same code on
-    2 GPUs were seen to differ by 10% in median with per-step rates spread over 1.5x, so report more than one run."""
+    their harmonic mean (the rate over their total time) and their lowest and highest. Runs of the same code on
+    2 GPUs differ by several percent in median (docs/performance.md, "FSDP over 2 GPUs against one GPU"), so
+    report more than one run."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     timed = [r for r in rows if r["step"] > warmup]
     if not timed:

@@ -13,7 +13,8 @@ it), our CP=2 (all-gather of the input, half the heads per GPU, reduce-scatter a
 (each GPU its zigzag half of the tokens, all heads; FLA's conv and recurrence exchange states). Prints median
 milliseconds over the timed repeats and the bytes each rank sends per layer and step.
 
-Training throughput and the longest trainable sequence come from benchmarks/train_throughput.py (README).
+Training throughput and the longest trainable sequence come from benchmarks/train_throughput.py and
+benchmarks/composed_mesh.py (docs/performance.md, "Context parallelism").
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The GPUs' power draw and SM clocks while a benchmark runs, sampled by nvidia-smi every 250 ms.
 
-On an H200 at 35B-A3B widths our training step runs at the GPU's software power cap (700 W): measured, the cap
-was active in 91-96% of the busy samples, with SM clocks averaging 1.68-1.70 GHz of 1.98. There the GEMMs slow
-down as memory-bound kernels are taken out, and two machines of one kind ran the same code 4.5% apart. The
-benchmarks print these figures next to tokens/s so a result can be read against them.
+On an H200 at 35B-A3B widths our training step runs at the GPU's software power cap (docs/performance.md, "How to
+read them"): the GEMMs then slow down as memory-bound kernels are taken out, and two hosts of one kind run the same
+code a few percent apart. The benchmarks print these figures next to tokens/s so a result can be read against
+them.
 
     with PowerSampler() as power:
         ...                      # the run

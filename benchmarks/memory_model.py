@@ -1,7 +1,7 @@
 """Per-GPU memory of a training configuration, predicted from parameter counts, and which Qwen3.5-35B-A3B
 configurations fit.
 
-    python benchmarks/memory_model.py                 # the table for 35B-A3B (README, "Memory")
+    python benchmarks/memory_model.py                 # the table for 35B-A3B (docs/performance.md, "Memory model")
     python benchmarks/memory_model.py --check         # the prediction against the peaks measured on GPU
 
 The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 compute, fp32 master weights):
@@ -13,16 +13,15 @@ The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 com
 - activations: per token on this GPU, WORKING_BYTES for the block being recomputed (full AC) and the saved
   inputs, 2 B x hidden each: compiled, full AC checkpoints each block in two halves (two inputs a block,
   parallel/activation_checkpointing.py; eager, one: the model then over-predicts by 2 B x hidden a block);
-  without AC, LAYER_BYTES for every block, plus, counted not fitted (the
-  fitted peaks were measured before bdecd26), the chunk states FLA's function keeps for its backward
+  without AC, LAYER_BYTES for every block, plus, counted not fitted (the fitted peaks were measured before FLA's
+  function kept them), the chunk states FLA's function keeps for its backward
   (models/qwen35_moe/kernels/fla_saved_states.py) in every Gated DeltaNet layer. (With full AC only the recomputed block
   holds them, as FLA's backward held the same tensors when it recomputed them: not counted.)
 - FIXED: the rest (the gathered lm_head, the chunked cross entropy's one chunk of logits, CUDA context and NCCL
-  buffers), fitted. (It was fitted while the root also kept the embedding gathered through the step; the peaks
-  measured since, 22.8 GiB at FSDP=2 4/64 before and after, did not move.) Every peak here was measured with
-  the embedding and the lm_head as FSDP units. Vocabulary-parallel (`parallelism.vocab_parallel`, taken by "auto"
-  where shard ranks x tokens per rank <= vocabulary) they are never gathered: FSDP=2 4/64 without AC peaked at 20.0
-  instead of 22.8 GiB, so the model over-predicts such runs by up to that much.
+  buffers), fitted. Every peak here was measured with the embedding and the lm_head as FSDP units.
+  Vocabulary-parallel (`parallelism.vocab_parallel`, taken by "auto" where shard ranks x tokens per rank <=
+  vocabulary) they are never gathered, and the model over-predicts such runs (docs/performance.md, "Memory
+  model", with the other changes since the peaks were measured).
 Fitted on measured peaks: WORKING_BYTES and FIXED on CP=1 at 32k and 64k (4 layers, 16 experts, full AC: slope
 and intercept over tokens), GATHER_BYTES on FSDP=2 against EP=2 with 256 experts (the difference is the experts
 EP does not gather), LAYER_BYTES on one run without AC. Every peak in MEASURED is then predicted (`--check`).
@@ -94,11 +93,9 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     return (states + gathered + activations) / GIB + FIXED_GIB
 
 
-# Peaks measured on H200 (benchmarks/train_throughput.py and hf_baseline.py, qwen35_moe.toml otherwise: full AC,
-# local batch 1): (layers, experts, setup, GiB). The gpus=1 peaks ran FSDP on one rank, as one GPU did before
-# a2be723; it now runs none (8 layers / 32 experts compiled without AC: 43.3 GiB, 42.2 before; EP=2 on 2 GPUs,
-# its experts now out of FSDP: 38.0 GiB, 37.4 before). All before bdecd26, whose saved FLA states the prediction
-# now counts without AC (8 layers / 32 experts without AC: 44.0 GiB before it, 45.6 after).
+# Peaks measured on H200s (benchmarks/train_throughput.py and hf_baseline.py, qwen35_moe.toml otherwise: full AC,
+# local batch 1): (layers, experts, setup, GiB). The gpus=1 peaks ran FSDP on one rank, and all ran before FLA's
+# chunk states were kept for the backward: docs/performance.md, "Memory model", gives what each change moves.
 MEASURED = [
     (4, 16, Setup(gpus=2, seq=32768), 23.0),
     (4, 16, Setup(gpus=2, seq=65536), 34.7),

@@ -74,7 +74,8 @@ class Training:
     aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
     # Cross entropy this many tokens at a time (per rank), never holding the whole (tokens x vocab) logits;
     # 0 = all at once. Peak per chunk token ~2 bytes x vocab on CUDA (bf16 logits, their gradient written in place:
-    # 0.5 GiB for 1024 tokens of a 248k vocab; 4096 measured 4% faster), ~6 elsewhere; + an fp32 lm_head grad.
+    # 0.5 GiB for 1024 tokens of a 248k vocab), ~6 elsewhere; + an fp32 lm_head grad. 4096 is faster and holds
+    # more (docs/performance.md, "One GPU against a plain transformers training loop").
     loss_chunk_tokens: int = 1024
     # Python's cyclic garbage collector runs every N steps (its young generations), not whenever allocations
     # trigger it: a collection pauses the host mid-step, and with the GPU fed by the host (compile.enable) that
@@ -127,14 +128,15 @@ class Parallelism:
     # How tokens reach their experts' ranks (parallel/expert_parallel.py). "all_gather": every rank gathers the EP
     # group's tokens, a reduce-scatter returns the outputs; no host sync, compiles whole, moves ep / top_k of the
     # all-to-all's bytes but holds ep x its MoE buffers. "all_to_all": tokens travel only to their experts' ranks;
-    # one host sync per layer. "auto": all_gather while ep <= top_k / 2 (1.26x / 1.08x the all-to-all's tokens/s
-    # at EP=2 / EP=4 on H200s), all_to_all above.
+    # one host sync per layer. "auto": all_gather while ep <= top_k / 2 (faster than the all-to-all at EP=2 and
+    # EP=4: docs/performance.md, "Expert parallelism"), all_to_all above.
     expert_parallel_dispatch: Literal["auto", "all_gather", "all_to_all"] = "auto"
     # "auto" (the default): "default" for a launch's first step, then "never" if that step's peak plus the blocks'
-    # gathered weights fit in 85% of every rank's GPU memory (parallel/reshard_policy.py; on CPU "default"). FSDP=2
-    # at 8 layers / 32 experts: +1.9-2.7% tokens/s per GPU for +1.7 GiB (README "Speed"). "never": each block keeps its
-    # gathered (bf16) weights from forward to backward, sparing the backward's all-gathers and casts, whatever the
-    # memory. "default" = "always" (torchtitan's): every block but the last frees them after forward.
+    # gathered weights fit in 85% of every rank's GPU memory (parallel/reshard_policy.py; on CPU "default"); faster
+    # than "default" for a little memory (docs/performance.md, "FSDP over 2 GPUs against one GPU"). "never": each
+    # block keeps its gathered (bf16) weights from forward to backward, sparing the backward's all-gathers and
+    # casts, whatever the memory. "default" = "always" (torchtitan's): every block but the last frees them after
+    # forward.
     fsdp_reshard_after_forward: Literal["default", "always", "never", "auto"] = "auto"
     # The embedding and the lm_head vocabulary-parallel (parallel/vocab_parallel.py): their weights stay sharded by
     # rows and each rank serves its rows to every rank's tokens, so FSDP never gathers them nor reduces their whole
@@ -160,14 +162,15 @@ class ActivationCheckpoint:
     # "full": recompute every block in backward (with compile.enable, in two halves, the MoE half's recompute
     # compiled into the backward: parallel/activation_checkpointing.py); "selective": keep matmul, attention and
     # collective outputs, recompute the elementwise work between them (less memory than none, less recompute than
-    # full; with compile.enable it recomputes the compiled graphs whole and is slower than full, README "Speed")
+    # full; with compile.enable it recomputes the compiled graphs whole and is slower than full: docs/performance.md,
+    # "Activation checkpointing")
     mode: Literal["none", "full", "selective"] = "none"
 
 
 @dataclass
 class Compile:
-    # torch.compile each transformer block (1.25-1.4x on one H200, README "Speed"); a run compiles in its first
-    # steps, then never again. Off by default: not yet run under CP on GPUs.
+    # torch.compile each transformer block (every GPU figure in docs/performance.md is compiled); a run compiles in
+    # its first steps, then never again. Off by default: not yet run under CP on GPUs.
     enable: bool = False
 
 

@@ -42,12 +42,9 @@ def visible_gpus() -> int:
 def cpu_thread_settings(procs_per_node: int, environ: dict[str, str]) -> dict[str, str]:
     """OpenMP settings for CPU workers, where `environ` does not set them already.
 
-    Measured on 2 cores, `./run_train.sh --training.steps 20` (the embedded default, start-up included): idle,
-    14.0-14.6 s with spinning (OMP_WAIT_POLICY=ACTIVE) threads against 16.7-17.6 s with passive ones; with a
-    second process keeping one core busy, 39.8 s spinning against 21.2 s passive (one thread: 17.3 s, but 25%
-    slower idle, and far slower on a larger step or machine). So: all usable cores, shared by the node's
-    processes, waiting passively - under a fifth slower when the machine is idle, instead of 2.8x slower (16x
-    seen on a busier machine) when it is not."""
+    All usable cores, shared by the node's processes, waiting passively: spinning threads are a little faster on an
+    idle host and far slower when another process keeps a core busy (docs/performance.md, "Start-up and CPU"); one
+    thread is slower on an idle host ("Tried, not kept")."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     settings = {"OMP_NUM_THREADS": str(max(1, cores // procs_per_node)), "OMP_WAIT_POLICY": "PASSIVE"}
     return {k: v for k, v in settings.items() if k not in environ}

@@ -60,7 +60,7 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     if cfg.compile.enable and cfg.activation_checkpoint.mode == "selective":
         logger.warning("activation_checkpoint.mode selective with compile.enable: the per-op policy cannot see into "
                        "the compiled graphs, which are recomputed whole; full is faster and holds less "
-                       "(docs/performance.md)")
+                       "(docs/performance.md, \"Activation checkpointing\")")
     parallelize_qwen35_moe(model, meshes.fsdp if meshes else None,
                            param_dtype=DTYPES[cfg.training.mixed_precision_param] if on_gpu else None,
                            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce] if on_gpu else None,

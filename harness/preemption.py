@@ -42,9 +42,8 @@ class StopRequested:
     def agreed(self, group: dist.ProcessGroup | None) -> int:
         """The reason to stop, the same on every rank (0: go on), one boundary late: each call starts the
         all-reduce of this rank's reason and returns the previous call's result. Waiting for its own all-reduce
-        held every rank at every boundary until the slowest host arrived, so a host-bound step paid the ranks'
-        jitter: FSDP=2 at 8 layers / 32 experts and 512 tokens on 2 x H200 waited 2.4-5.8 ms a step there, 0.1 ms
-        now (a step every 97.3 ms against 87.3 in that pair of runs). A rank may now run up to one step ahead.
+        would hold every rank at every boundary until the slowest host arrived, so a host-bound step would pay the
+        ranks' jitter (docs/performance.md, "Tried, not kept"). A rank may run up to one step ahead.
         `group`: a CPU (gloo) group, or None (one process: no vote, no delay)."""
         if group is None:
             return self.reason

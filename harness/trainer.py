@@ -322,7 +322,7 @@ class Trainer:
     def read_late(self) -> bool:
         """Whether a due step's metrics wait until the next step is queued: only a device that runs behind the host
         (CUDA) gains. On CPU a step has run when it returns, so a late read gains nothing and would count the next
-        step's time in this step's tokens/s (and almost none in the last step's: millions of tokens/s logged)."""
+        step's time in this step's tokens/s (and almost none in the last step's, whose rate would be absurd)."""
         return self.device.type == "cuda"
 
     def _save_due(self) -> bool:

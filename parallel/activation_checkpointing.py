@@ -76,7 +76,7 @@ def _checkpointed_moe_half(layer: DecoderLayer, h: torch.Tensor):
 @functools.cache
 def _compiled() -> types.SimpleNamespace:
     """The compiled halves, shared by every block (dynamo keys its graphs on the code and guards on what differs
-    between blocks); made at first use, as `torch.compile` imports inductor (~1 s)."""
+    between blocks); made at first use, as `torch.compile` imports inductor, which is slow to import."""
     return types.SimpleNamespace(mixer_core=torch.compile(DecoderLayer.mixer_core),
                                  moe_half=torch.compile(DecoderLayer.moe_half),
                                  checkpointed_moe_half=torch.compile(_checkpointed_moe_half, fullgraph=True))

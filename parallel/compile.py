@@ -5,10 +5,9 @@ are. Under full activation checkpointing the blocks are compiled in halves inste
 Under FSDP without expert parallelism the first block's routed experts are an FSDP unit of their own
 (parallelize.apply_fsdp), whose hooks break that block's compiled graph at the MoE call. Dynamo keeps its compiled
 frames per code object, and its guards skip FSDP-managed modules, so every block would reuse the first block's
-frames, break included: the MoE and the residual add after it as two more graphs per block (a profiled FSDP=2 step
-at 8 layers: 60 compiled-function calls in the forward against one GPU's 40; tests/distributed/
-test_compiled_frames.py). The first block then runs a copy of `run_block`'s code, whose frames are its own
-(torch_internals.function_with_own_frames).
+frames, break included: the MoE and the residual add after it as two more graphs per block
+(tests/distributed/test_compiled_frames.py counts each block's frames against one process's). The first block
+then runs a copy of `run_block`'s code, whose frames are its own (torch_internals.function_with_own_frames).
 """
 
 from __future__ import annotations

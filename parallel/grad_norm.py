@@ -8,9 +8,9 @@ those it is replicated on), and each group is scaled in place, or by the optimiz
 (FastAdam's grad_scale). Half-precision gradients (kept weight copies', models/qwen35_moe/linear.py) are
 normed in fp32, as their fp32 upcasts would be.
 
-The local norms are plain tensor ops: DTensor's own norm dispatched each gradient's ops through its Python
-layer, ~3 ms of host time at the end of a profiled FSDP=2 step (4 layers), during which the GPU, its backward
-done, had nothing queued.
+The local norms are plain tensor ops: DTensor's own norm dispatches each gradient's ops through its Python
+layer, host time at the end of the step during which the GPU, its backward done, has nothing queued
+(docs/performance.md, "Tried, not kept").
 """
 
 from __future__ import annotations

@@ -68,10 +68,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     default) frees them, except where the backward comes at once or needs no weights:
 
     - The embedding and the lm_head (a billion parameters at 35B-A3B's 248k vocabulary) are units of their own, as
-      in torchtitan. In the root they were gathered before the first block and their gradients reduced after the
-      last block's backward, with no compute to hide either behind. Now the head is gathered while the blocks
-      compute and its gradient (ready when its forward ends, linear_cross_entropy.py) is reduced while the blocks'
-      backward runs.
+      in torchtitan. In the root they would be gathered before the first block and their gradients reduced after
+      the last block's backward, with no compute to hide either behind. As units, the head is gathered while the
+      blocks compute and its gradient (ready when its forward ends, linear_cross_entropy.py) is reduced while the
+      blocks' backward runs.
     - The lm_head and the last block stay gathered after their forward: their backward follows at once.
     - The embedding is never gathered for backward: a lookup's backward needs the ids, not the table.
     - The first block's routed experts (most of its weights) are a unit of their own, gathered while its attention
@@ -79,11 +79,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
       waits for it. Split, the experts' share is reduced while the block's attention runs backward, leaving only
       the rest (a sixth at 35B-A3B widths and 64 experts) exposed. The unit's hooks break the first block's
       compiled MoE (only the first block's: compile.py gives it frames of its own, which parallelize_qwen35_moe
-      asks for wherever this unit exists); without the unit FSDP=2 was slower (docs/performance.md, "FSDP").
+      asks for wherever this unit exists); without the unit FSDP=2 is slower (docs/performance.md, "Tried, not
+      kept").
     - Each forward gathers ahead: the root the first block (and the embedding, if a unit) as the step starts, each
-      block the next one (the last, the lm_head) as it starts. Left to FSDP, a block was gathered only once the
-      host had queued the previous block's work, which under compile's graph breaks comes late: a profiled
-      FSDP=2 step's blocks waited 1-7 ms each for their gather.
+      block the next one (the last, the lm_head) as it starts. Left to FSDP, a block is gathered only once the
+      host has queued the previous block's work, which under compile's graph breaks comes late, and the blocks
+      wait for their gathers (docs/performance.md, "Tried, not kept").
 
     Under expert parallelism each MoE layer's routed experts are their own unit on `expert_mesh` (the data-parallel
     ranks left once EP has split the experts), sharded on dim 1 (dim 0 is EP's: sharding it twice would make
@@ -97,10 +98,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     norm's weight; ~200 values) are left out of FSDP and kept whole on every rank, in fp32, their gradients
     averaged over the mesh by one all-reduce when the backward ends (parallel/replicated_params.py). As a unit of
     their own with an fp32 policy they cost each GDN layer an all-gather, a reduce-scatter and four FSDP hooks a
-    step: a quarter of FSDP's host time in a profiled FSDP=2 step. The final norm's weight (hidden size values, cast
-    where it is used as FSDP would cast it, models/qwen35_moe/norms.py) is whole on every rank too: as the root's
-    only parameter it cost an all-gather that opened every step, a point where the ranks wait for each other, and
-    a reduction that closed it, behind everything else.
+    step, a large share of FSDP's host time (docs/performance.md, "Tried, not kept"). The final norm's weight
+    (hidden size values, cast where it is used as FSDP would cast it, models/qwen35_moe/norms.py) is whole on every
+    rank too: as the root's only parameter it would cost an all-gather that opens every step, a point where the
+    ranks wait for each other, and a reduction that closes it, behind everything else.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # The root and the lm_head take no floating input that needs a cast (ids, the layout's integers, and hidden

@@ -3,11 +3,11 @@ parameters (the SSM gate's A_log and dt_bias, the gated norm's weight; docs/desi
 final norm's weight (parallel/parallelize.py, apply_fsdp).
 
 They are ~200 values per layer. As an FSDP unit of their own (an fp32 policy, since the blocks' bf16 policy would
-round them) they cost, per layer and step, an all-gather, a reduce-scatter and FSDP's hooks on the host: in a
-profiled FSDP=2 step (4 layers) 2.4-2.7 ms of host time per GDN layer, a quarter of all of FSDP's host time,
-in a forward whose host already ran behind the GPU; and each collective is a point where the ranks wait for each
-other. Whole on every rank they need no gather and stay fp32 by construction; their gradients are averaged over
-the mesh as FSDP averages the rest, with one all-reduce of all of them when the backward ends.
+round them) they cost, per layer and step, an all-gather, a reduce-scatter and FSDP's hooks on the host, a large
+share of FSDP's host time in a forward whose host already runs behind the GPU (docs/performance.md, "Tried, not
+kept"); and each collective is a point where the ranks wait for each other. Whole on every rank they need no
+gather and stay fp32 by construction; their gradients are averaged over the mesh as FSDP averages the rest, with
+one all-reduce of all of them when the backward ends.
 
 Every rank holds the same values: the initial weights are drawn per parameter name (init.py), and a checkpoint
 or HF load gives every rank the whole tensor. The optimizer then updates identical replicas with identical

@@ -2,12 +2,11 @@
 weights from forward to backward wherever that fits in the GPU's memory, as "never" does from the start.
 
 Keeping them saves each block's second all-gather, cast and copy-out a step, on the host and on the GPU
-(FSDP=2 at 4 layers / 64 experts on H200s: 94.7-96.0% of one GPU's tokens/s per GPU against 91.2-93.2%; README
-"Speed"), for the memory of every block's gathered weights at the step's peak. "auto" measures both on the run
-itself: the first step's peak of reserved memory, and the bytes the resharding units' gathered weights take (each
-unit gathered once and freed, the allocator counting). The blocks keep them when the sum fits in KEEP_FRACTION of
-the GPU's memory on every rank; the rest of the margin is for steps whose routing sends more tokens to one
-expert than the first step's did. On CPU "auto" is "default".
+(docs/performance.md, "FSDP over 2 GPUs against one GPU"), for the memory of every block's gathered weights at the
+step's peak. "auto" measures both on the run itself: the first step's peak of reserved memory, and the bytes the
+resharding units' gathered weights take (each unit gathered once and freed, the allocator counting). The blocks
+keep them when the sum fits in KEEP_FRACTION of the GPU's memory on every rank; the rest of the margin is for
+steps whose routing sends more tokens to one expert than the first step's did. On CPU "auto" is "default".
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """How far FLA's gated delta rule (bf16, Hopper guard bypassed) lands from the float64 reference fed the same
-bf16 inputs: the measurement behind FLA_CHECK_ERROR_BOUND / FLA_CHECK_BIAS_BOUND in gated_delta_rule.py.
+bf16 inputs: the measurement behind FLA_CHECK_ERROR_BOUND / FLA_CHECK_BIAS_BOUND in gated_delta_rule.py
+(docs/performance.md, "FLA's gated delta rule against float64").
 
     python benchmarks/tools/fla_backward_errors.py [35B-A3B gpu-tests 397B-A17B]
 
 For each head shape: the two statistics of `fla_gated_delta_rule_errors` (worst per-head error / bias) per check
 case and over all cases with the time of that first check (FLA compiles and autotunes its kernels for the
-shape in it); then a kernel whose dg is off by 1% in one head; then what the previous self-check (reference fed
-un-rounded fp32 inputs, one norm over the whole tensor, bound 2e-2) made of FLA and of that defect.
+shape in it); then a kernel whose dg is off by 1% in one head; then what the old, coarser check (reference fed
+un-rounded fp32 inputs, one norm over the whole tensor, bound 2e-2) makes of FLA and of that defect.
 """
 
 import sys

@@ -5,11 +5,11 @@
 
 Only the kernels of the traced step count: those that ran inside the step's range on the GPU (the profiler's
 `ProfilerStep#N` as the GPU ran it). A trace also holds the previous step's last kernels, which the GPU ran while
-the host queued this step; counted, they made the optimizer look twice as long. Kernels are summed by family (dense
-and grouped GEMMs, FLA's delta rule, collectives, the optimizer, FSDP's copies, inductor's fused kernels...). With a
-base trace, each family's difference and the kernels whose time changed most follow: full activation
-checkpointing against none shows what the recompute runs, FSDP against one GPU what sharding adds. Traces may be
-gzipped (.json.gz).
+the host queued this step; counted, they would add the previous step's optimizer kernels to this step's. Kernels
+are summed by family (dense and grouped GEMMs, FLA's delta rule, collectives, the optimizer, FSDP's copies,
+inductor's fused kernels...). With a base trace, each family's difference and the kernels whose time changed most
+follow: full activation checkpointing against none shows what the recompute runs, FSDP against one GPU what
+sharding adds. Traces may be gzipped (.json.gz).
 """
 
 from __future__ import annotations

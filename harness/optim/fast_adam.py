@@ -1,9 +1,9 @@
 """torch's Adam/AdamW with a CUDA step of one Triton kernel for all parameters (adam_step_triton.py).
 
-On an H200, over the 2.1B fp32 parameters of benchmarks/hf_baseline.py's 8-layer model, torch's fused AdamW
-(multi_tensor_apply) took 17.6-18.2 ms alone (3.3 TB/s) and 35-41 ms inside a profiled training step; this kernel,
-one plain elementwise pass over every parameter in one launch, 15.0-15.3 ms (3.9 TB/s), where a launch per parameter
-took 18.1-23.0 ms on the same machines, bound by the host (benchmarks/tools/optimizer_step.py).
+The kernel is one plain elementwise pass over every parameter in one launch; with the kept bf16 weight copies it
+writes (below) it is ahead of torch's fused AdamW end to end (docs/performance.md, "Hand-written pieces against the
+libraries"; the step alone: benchmarks/tools/optimizer_step.py). A launch per parameter is bound by the host
+(docs/performance.md, "Tried, not kept").
 The math, the state (step, exp_avg, exp_avg_sq) and so the state dict and checkpoints are torch's. `grad_scale`
 (a device scalar every gradient is divided by as it is read, as in torch's fused step) carries the gradient
 clipping without a pass of its own (parallel/grad_norm.py). Tensors the kernel does not take (off CUDA, not fp32,
@@ -64,7 +64,8 @@ class FastAdam(torch.optim.Adam):
             steps = [state["step"] for _, _, state in todo]
             torch._foreach_add_(steps, 1)
             # One launch per batch of kernel tensors that share a step count and the gradients' and copies' dtypes
-            # (one per group in practice): a launch per parameter cost ~60 us of host time each (7-9 ms a step).
+            # (one per group in practice): a launch per parameter costs host time for each (docs/performance.md,
+            # "Tried, not kept").
             batches: dict[tuple, list] = {}
             for (p, grad, state), step in zip(todo, [step.item() for step in steps]):
                 tensors = [_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"])]

@@ -73,8 +73,9 @@ def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int,
     Rows that hold one document each get the plain (unpacked) layout, unless `packed`: then every batch with
     position ids gets the varlen one, cu_seqlens at the rows' starts where each row is one document. Training asks
     for that (Trainer.model_inputs), so its kernels and compiled graphs never depend on where the documents fall:
-    the first batch of whole-row documents (common with long documents) took the other path mid-run, recompiling
-    the blocks and making FLA compile, and autotune, its non-varlen kernels (a 49 s step at 512 tokens on an H200)."""
+    the first batch of whole-row documents (common with long documents) would take the other path mid-run,
+    recompiling the blocks and making FLA compile, and autotune, its non-varlen kernels (docs/performance.md,
+    "Tried, not kept")."""
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
         return DocumentLayout(position_ids=position_ids, max_seqlen=seq_len)

@@ -69,7 +69,7 @@ class CPAwareGatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=args.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, dim, bias=False)
         self.context_parallel: ContextParallel | None = None  # hooks.py
-        self._cp_mesh = None  # the CP DeviceMesh, set with context_parallel (docs/design.md, context parallel)
+        self._cp_mesh = None  # the CP DeviceMesh, set with context_parallel (docs/design.md, "Parallelism")
 
     def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
         """This layer's extension point (hooks.py): the CP group's exchanges, and its mesh."""

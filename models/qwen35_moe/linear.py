@@ -4,7 +4,7 @@ do nothing; on one GPU, where the model is not sharded at all, the fp32 weights 
 gradients flow back through the cast in fp32). The fp32-contract modules (fp32_contract.py) upcast instead.
 
 Kept copies (one GPU): casting the fp32 weights at each use reads 4 and writes 2 bytes per parameter every step
-(on an H200, 2.6 ms of a 132 ms step of benchmarks/hf_baseline.py's 8-layer model). `WeightCopies` gives
+(docs/performance.md, "Hand-written pieces against the libraries": FastAdam's row). `WeightCopies` gives
 each weight it covers a copy in the compute dtype, which the optimizer rewrites as it updates the weight
 (harness/optim/fast_adam.py, 2 bytes per parameter) and which is then read in place of the cast. A copy is only used
 while it is current: any other in-place change of the weight (a checkpoint or HF load, an init, another optimizer)
@@ -14,10 +14,11 @@ bumps the weight's version counter, and the model's forward recasts the copies w
 Gradients: by default they flow to the fp32 weight as through the cast (cast to fp32 by the backward). With
 `grads_in_copies` the copy itself is the leaf autograd differentiates: its gradient stays in the compute dtype in
 `copy.grad` and the weight gets none. The fp32 gradient would only hold that bf16 value upcast, so where each
-step has one backward this is the same gradient in half the bytes, and it spares the cast (in that 8-layer model
-1.09B parameters, all but the lm_head's, whose fp32 gradient the loss returns itself: per parameter the cast's 6
-bytes and 2 of the 4 the gradient norm and the optimizer each read; +1.4% tokens/s on an H200). The trainer asks
-for it only without gradient accumulation, where a sum of backwards in bf16 would round.
+step has one backward this is the same gradient in half the bytes, and it spares the cast (in the 8-layer,
+32-expert benchmark model 1.09B parameters, all but the lm_head's, whose fp32 gradient the loss returns itself:
+per parameter the cast's 6 bytes and 2 of the 4 the gradient norm and the optimizer each read; docs/performance.md,
+"Tried, not kept"). The trainer asks for it only without gradient accumulation, where a sum of backwards in bf16
+would round.
 """
 
 from __future__ import annotations

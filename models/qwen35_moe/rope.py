@@ -12,8 +12,7 @@ import torch
 
 # An opaque op under torch.compile: inductor would inline these few pointwise ops into every consumer, computing
 # the powers, cosines and sines again for each head's element of q and k and once more in the backward. As an op
-# they are computed once per token, and the rotation reads them: on an H200 at 35B-A3B widths, the rotation
-# kernels of a step's two attention layers took 0.88 ms, and 0.25 ms with this op (0.04 ms of it the op's own).
+# they are computed once per token, and the rotation reads them (docs/performance.md, "Tried, not kept").
 @torch.library.custom_op("qwen35::rope_cos_sin", mutates_args=())
 def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (B, S, rotary_dim), fp32 (angles of long contexts need fp32 precision)."""

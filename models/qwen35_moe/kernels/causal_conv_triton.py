@@ -2,9 +2,10 @@
 
     y[t, c] = silu(sum_{j<W} weight[c, W-1-j] * x[t-j, c]),   taps that leave t's document (or row) read zero
 
-FLA's kernel (0.6) took 0.63 ms per backward at 8192 tokens x 8192 channels on an H200, about 5x the time of
-moving its bytes once, plus a recompute of the forward; and its output, one (T, C) tensor, reached FLA's delta
-rule as three strided views that FLA copied to contiguous q, k and v. Here:
+FLA's kernel (0.6) recomputes the forward in its backward, which takes several times what moving its bytes once
+would (benchmarks/tools/causal_conv.py prints both); and its output, one (T, C) tensor, reaches FLA's delta rule as
+three strided views that FLA copies to contiguous q, k and v. Ours is ahead end to end (docs/performance.md,
+"Hand-written pieces against the libraries"). Here:
 - the forward writes each part of the channels (q, k, v) to its own contiguous tensor;
 - the backward reads their gradients where FLA left them and recomputes the pre-activations from x: one kernel
   per part writes dz = dy * silu'(z) (fp32), one kernel reads dz's shifted rows for dx and the per-block

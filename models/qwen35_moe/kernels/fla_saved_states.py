@@ -2,12 +2,11 @@
 
 FLA's autograd function saves only q, k, v, g, beta and the chunks' triangular factors A; its backward then
 reruns two forward kernels to rebuild the WY factors w, u (`recompute_w_u_fwd`) and the states h at every chunk
-boundary with the corrected values v_new (`chunk_gated_delta_rule_fwd_h`). At 35B-A3B widths on an H200 those two
-take ~1.4 ms of a 131 ms training step. This function saves w, h and v_new from the forward instead (the backward
-reads nothing else of them): per token and value head 2 * (Dk + Dv) bytes plus the state h, 2 * Dk * Dv bytes
-per 64-token chunk - 270 MB per layer of 8192 tokens and 32 heads of 128, while the layer's activations are saved
-(measured: +1.6 GiB at 8 layers, 6 of them Gated DeltaNet, and +1.4% tokens/s on an H200, two alternating pairs).
-Under activation checkpointing the forward is rerun anyway, and they are made there.
+boundary with the corrected values v_new (`chunk_gated_delta_rule_fwd_h`). This function saves w, h and v_new from
+the forward instead (the backward reads nothing else of them): per token and value head 2 * (Dk + Dv) bytes plus
+the state h, 2 * Dk * Dv bytes per 64-token chunk - 270 MB per layer of 8192 tokens and 32 heads of 128, while
+the layer's activations are saved; the step is faster for that memory (docs/performance.md, "Tried, not kept":
+FLA's own backward). Under activation checkpointing the forward is rerun anyway, and they are made there.
 
 The calls and their arguments are FLA 0.6.0's `chunk_gated_delta_rule_fwd` / `_bwd` (fla/ops/gated_delta_rule/
 chunk.py) without the options we never pass (initial or final state, FLA's context parallel, in-kernel gate or

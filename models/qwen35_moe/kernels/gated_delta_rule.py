@@ -35,8 +35,8 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
         return torch_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)
     # q and k are normalised and repeated for their value heads here, in the caller's compiled graph (inductor fuses
     # both into one pass, forward and backward), not by FLA: for grouped value heads FLA's backward sums dq and dk
-    # over each key head's value heads with strided reductions of its own (on an H200 at 35B-A3B widths, 1.5 ms of
-    # a step), and its l2norm kernels (0.6 ms) go with them.
+    # over each key head's value heads with slow strided reductions of its own, and its l2norm kernels go with them
+    # (docs/performance.md, "Tried, not kept").
     q, k = _qk_per_value_head(q, k, v.shape[2])
     return _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
 
@@ -180,17 +180,18 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None):
 
 # Document boundaries of the packed rows checked: one chunk; two documents whose length is no multiple of the
 # 64-token chunk; documents including one shorter than a chunk, with boundaries inside chunks. All varlen, as
-# the model runs packed rows: FLA compiles and autotunes its kernels once per shape and layout (~80 s on an
-# H100 / H200), and these are the kernels the run then uses.
+# the model runs packed rows: FLA compiles and autotunes its kernels once per shape and layout (docs/performance.md,
+# "Start-up and CPU"), and these are the kernels the run then uses.
 FLA_CHECK_CASES = ((0, 64), (0, 300, 600), (0, 117, 130, 700, 1000))
-# Bounds on the two statistics of `fla_gated_delta_rule_errors`, set from FLA's bf16 kernels measured on an H200
-# (torch 2.11, Triton 3.6, guard bypassed; benchmarks/tools/fla_backward_errors.py) at the 35B-A3B and test head shapes:
+# Bounds on the two statistics of `fla_gated_delta_rule_errors`, set from FLA's bf16 kernels with the guard bypassed
+# at the 35B-A3B and test head shapes (docs/performance.md, "FLA's gated delta rule against float64", measured with
+# benchmarks/tools/fla_backward_errors.py):
 # - error (per-head max |FLA - ref| / max |ref|): bf16 outputs alone round by up to 2^-8 = 3.9e-3 of a head's
-#   largest element and FLA's bf16 intermediates add to it: measured 4.6e-3 .. 1.1e-2 over all gradients.
-#   The bound (4.5x that) catches gross errors - a wrong tile, sign or reset - which is what the Triton bug gives.
+#   largest element and FLA's bf16 intermediates add to it. The bound, well above FLA's largest, catches gross
+#   errors - a wrong tile, sign or reset - which is what the Triton bug gives.
 # - bias (per-head |<FLA - ref, ref>| / <ref, ref>, sums over the cases): a head's relative scale error, in which
-#   rounding noise averages out over its ~1,700 tokens: measured at most 6.2e-4 (dg, 35B-A3B shape), while a dg
-#   1% off in one head measured 9.4e-3 there (9.7e-3 at the test shape). The bound sits between, 4.8x the noise.
+#   rounding noise averages out over its ~1,700 tokens. The bound sits between FLA's largest and what a dg 1% off
+#   in one head gives.
 FLA_CHECK_ERROR_BOUND = 5e-2
 FLA_CHECK_BIAS_BOUND = 3e-3
 _GRADIENTS = ("o", "dq", "dk", "dv", "dg", "dbeta")

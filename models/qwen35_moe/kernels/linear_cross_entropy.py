@@ -123,8 +123,8 @@ def combine_slice_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """t *= scale (a 0-dim tensor), in place. As a foreach op: `t.mul_(scale)` with a CUDA scale broadcasts it as a
-    stride-0 operand, which takes the unvectorised kernel (1.5 ms over the 35B-A3B lm_head's fp32 gradient on an
-    H200, against about 0.9 ms for reading and writing it once)."""
+    stride-0 operand, which takes the unvectorised kernel, well short of the bandwidth over the 35B-A3B lm_head's
+    fp32 gradient (docs/performance.md, "Tried, not kept")."""
     torch._foreach_mul_([t], scale)
     return t
 
