@@ -31,6 +31,7 @@ FAMILIES = [
     ("attention", r"flash|fmha"),
     ("causal conv", r"^_conv"),
     ("cross entropy", r"^_cross_entropy|^_slice_(stats|softmax)"),
+    ("MoE combine", r"^_weighted_row_sum"),
     ("inductor fused", r"^triton_"),
     ("foreach ops", r"multi_tensor_apply"),
     ("sort, scan, top-k", r"[Ss]ort|[Ss]can|[Tt]op[Kk]"),

@@ -45,8 +45,8 @@ class TopKRouter(nn.Module):
 
 
 def _grouped_path(x: torch.Tensor) -> bool:
-    """Whether the experts run as grouped GEMMs (bf16 on CUDA); elsewhere a loop over the experts, which float64 tests
-    check."""
+    """Whether the MoE runs its CUDA path: bf16 on CUDA, the experts as grouped GEMMs and the token gather and
+    combine in the Triton kernels of kernels/moe_combine_triton.py. Elsewhere the torch path, which float64 tests check."""
     return x.is_cuda and x.dtype == torch.bfloat16
 
 
@@ -60,6 +60,9 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
+        if ctx.group > 1 and _grouped_path(grad):
+            from .kernels.moe_combine_triton import row_group_sum
+            return row_group_sum(grad.contiguous(), inverse, ctx.group), None, None, None
         grad = grad.index_select(0, inverse)
         if ctx.group > 1:
             grad = grad.view(-1, ctx.group, grad.shape[-1]).sum(1)
@@ -182,14 +185,16 @@ def combine_expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 
     The N * k (token, slot) assignments are sorted by expert so each expert sees a contiguous block;
     `run_experts(x_sorted, counts)` maps those rows to the experts' outputs; back in (token, slot) order the k
-    outputs of a token are weighted and summed in one reduction (in `out_dtype`, by default x's). Under compile
-    inductor fuses the gather, weighting and sum into one kernel (a hand-written one was no faster end to end:
-    docs/performance.md, "Hand-written pieces")."""
+    outputs of a token are weighted and summed in one reduction (in `out_dtype`, by default x's). In bf16 on CUDA
+    one Triton kernel (kernels/moe_combine_triton.py) reads the k outputs where they lie and sums with fp32 weights."""
     num_tokens, top_k = ids.shape
     order = ids.reshape(-1).argsort(stable=True)
     slot_at = inverse_permutation(order)  # where each assignment landed
     x_sorted = gather_rows(x, order // top_k, slot_at, top_k)  # (N * k, D)
     routed = run_experts(x_sorted, counts)
+    if _grouped_path(routed):
+        from .kernels.moe_combine_triton import weighted_row_sum
+        return weighted_row_sum(routed.contiguous(), slot_at, weights, out_dtype or x.dtype)
     per_slot = gather_rows(routed, slot_at, order).view(num_tokens, top_k, -1)  # (N, k, D)
     return (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1, dtype=out_dtype)
 
