@@ -87,9 +87,7 @@ class LMHead(Linear):
 def run_block(layer: DecoderLayer, h: torch.Tensor, layout: DocumentLayout):
     """A DecoderLayer's forward as written (the default `runner`): the mixer with its residual, then the MoE with
     its. Spelled out rather than through the halves' methods: under compile each function that a graph break (FLA's
-    call; on CPU and under EP also the experts') passes through becomes frames that dynamo compiles separately, and
-    a level more split the residual add from the next norm's fused kernel (docs/performance.md, "Hand-written
-    pieces against the libraries")."""
+    call; on CPU and under EP also the experts') passes through becomes frames that dynamo compiles separately."""
     h = h + layer.mixer(layer.input_layernorm(h), layout)
     moe_out, counts, prob_sums = layer.mlp(layer.post_attention_layernorm(h))
     return h + moe_out, counts, prob_sums
