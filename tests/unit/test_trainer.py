@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,7 @@ def test_malformed_toml_names_file_and_line(tmp_path, capsys):
 
 def test_readme_train_command_runs(tmp_path):
     """The README's training command (with a short run) works from the repository root."""
-    env = {**os.environ, "NGPU": "1"}
+    env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable}  # the interpreter under test, not PATH's python3
     result = subprocess.run(
         ["./run_train.sh", "--training.steps", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "o")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
