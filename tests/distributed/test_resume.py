@@ -156,8 +156,13 @@ def test_a_checkpoint_moves_between_vocab_parallel_and_fsdp_units(uninterrupted,
         shutil.copytree(uninterrupted / "ref2", tmp_path / "saved")
     else:
         run(tmp_path / "saved", 2, *FSDP_VOCAB, "--checkpoint.interval", "4")
-        for step, loss in losses(uninterrupted / "ref2").items():  # other summation order only
-            assert losses(tmp_path / "saved")[step] == pytest.approx(loss, rel=1e-5), step
+        # Other summation order only: in float64 the two layouts' losses agree to 2e-16 at every step. In fp32 AdamW
+        # turns summation noise in near-zero gradients into lr-sized updates (its first ones are ~lr * sign(grad)),
+        # and two summation orders of one run drift apart over the 8 steps: measured up to 1.8e-5 relative here
+        # (step 7), 2.8e-5 between one process and 2 ranks (test_a_checkpoint_resumes_on_another_number_of_ranks's
+        # runs, step 8). A wrong vocabulary slice is off by orders of magnitude more.
+        for step, loss in losses(uninterrupted / "ref2").items():
+            assert losses(tmp_path / "saved")[step] == pytest.approx(loss, rel=5e-5), step
     shutil.copytree(tmp_path / "saved", tmp_path / "run")
     shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-8")  # as if the job had died after step 4's save
     metrics = tmp_path / "run" / "metrics.jsonl"  # keep steps 1-4: steps 5-8 must come from the resumed run
