@@ -1,9 +1,7 @@
-"""Worker for test_expert_parallel: one MoE layer with its routed experts split over the ranks (expert
-parallelism's dispatch, all-to-all and all-gather, parallel/expert_parallel.py) against the whole layer run in one
-process on every rank's tokens, in float64, eager and compiled. Raises (non-zero exit) on any difference beyond
-float64 summation order."""
-
-import gc
+"""Worker for test_expert_parallel (a run of the shared launches, tests/distributed/launch.py): one MoE layer with
+its routed experts split over the ranks (expert parallelism's dispatch, all-to-all and all-gather,
+parallel/expert_parallel.py) against the whole layer run in one process on every rank's tokens, in float64, eager
+and compiled. Raises on any difference beyond float64 summation order."""
 
 import torch
 import torch.distributed as dist
@@ -64,9 +62,15 @@ def check_expert_parallel_layer(reference: SparseMoE, out_ref: torch.Tensor, who
         torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, **close, msg=what + name)
 
 
-def main() -> None:
+def check(folder: str) -> None:
     torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo")
+    try:
+        _check()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _check() -> None:
     rank, ep = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = SparseMoE(ARGS)
@@ -85,9 +89,3 @@ def main() -> None:
         # Compiled: the all-to-all runs eagerly between two graphs; the all-gather dispatch is traced with the layer.
         for compiled in (False, True):
             check_expert_parallel_layer(reference, out_ref, whole.grad, xs, weights, rank, ep, dispatch, compiled)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
