@@ -1,14 +1,19 @@
 """What the tests that compile the debug model share: its batch shape and training step, the CUDA varlen path's
-stand-in, and the comparison of compiled against eager.
+stand-in, the comparison of compiled against eager, and compiling without inductor.
 
 One batch shape everywhere: inductor compiles CPU kernels for the shapes it is given and keeps them in its on-disk
 cache, so the tests that compile the same blocks on the same shapes compile each kernel once between them (the debug
 model's blocks from cold: ~25 s of C++ compilation on 2 cores; from the cache, a few)."""
 
+import contextlib
+import functools
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from parallel import activation_checkpointing
 from tests.builders import fp32_grad_tolerance
 
 BATCH, SEQ = 2, 96
@@ -65,3 +70,18 @@ def assert_compiled_matches_eager(compiled: tuple, eager: tuple, what) -> None:
         atol = tol * max(1e-2, grad.abs().max().item())
         torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=atol, msg=f"{name} {what}")
 
+
+@contextlib.contextmanager
+def compiled_without_inductor():
+    """torch.compile with AOT autograd's eager backend meanwhile: the same dynamo frames and graph breaks, traced
+    checkpoints and AOT forward and backward graphs as inductor's, run by eager kernels instead of generated C++ ones,
+    whose compilation costs ~25 s in every process that compiles the debug model's blocks. (Under FSDP each rank
+    compiles graphs of its own: measured, the FSDP run took as long after the one-process tests had filled the cache
+    with the same blocks' kernels as before.)"""
+    halves = activation_checkpointing._compiled  # full AC's compiled halves, made once per process
+    halves.cache_clear()
+    try:
+        with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend="aot_eager")):
+            yield
+    finally:
+        halves.cache_clear()

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from models.qwen35_moe import Qwen35MoeModel, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import experts_in_one_graph
-from tests.compiled import batch_ids, training_loss
+from tests.compiled import batch_ids, compiled_without_inductor, training_loss
 from tests.distributed.fsdp_step_worker import full
 
 
@@ -37,7 +37,10 @@ def step(mesh, ids: torch.Tensor, ac_mode: str, compile: bool) -> dict:
 def compare(folder: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     ids = batch_ids(dist.get_rank())
-    with mock.patch.object(moe.RoutedExperts, "forward", experts_in_one_graph):
+    # What FSDP changes is dynamo's and AOT's: the first block's MoE half broken by its experts' unit, the others'
+    # checkpoints traced, weights gathered again for the recompute. Inductor's code for these blocks under full AC
+    # (one process) is checked by tests/unit/test_compile.py (test_full_checkpointing_compiles_each_moe_half_...).
+    with mock.patch.object(moe.RoutedExperts, "forward", experts_in_one_graph), compiled_without_inductor():
         record = {"eager": step(mesh, ids, "none", compile=False), "full": step(mesh, ids, "full", compile=True)}
     if dist.get_rank() == 0:
         torch.save(record, os.path.join(folder, "result.pt"))
