@@ -1,9 +1,18 @@
-"""Session-wide setup: the order of the folders, and the distributed tests' shared launches
+"""Session-wide setup: one intra-op thread, the order of the folders, and the distributed tests' shared launches
 (tests/distributed/launch.py), started in the background at the session's start."""
+
+import os
+import sys
 
 import pytest
 
-from tests.distributed.launch import SharedLaunches
+# One thread in every test process, as the distributed tests' ranks and run_train.sh's tests have always had: the
+# shared launches run beside the other tests, on the same cores, where a second intra-op thread only waits for a
+# core (the whole suite took 10-15% longer with two on 2 cores). torch reads this once, when it loads.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests.distributed.launch import SharedLaunches  # noqa: E402  (after the thread setting: it imports no torch)
 
 ORDER = ("unit", "distributed", "gpu")  # the distributed tests last but the GPU's: their launches have had time
 
