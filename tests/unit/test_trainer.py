@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,16 @@ def test_smoke_run_loss_falls_and_metrics_have_the_keys(tmp_path, capsys):
     assert rows[0]["mfu"] is None  # CPU: no peak to divide by
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "tb").glob("*/*"))
+
+
+def test_a_fresh_run_keeps_its_tensorboard_events_apart_from_an_earlier_run(tmp_path):
+    flags = ["--training.steps", "1", "--metrics.enable_tensorboard", "true"]
+    started = time.time()
+    assert _run(tmp_path, *flags) == 0
+    time.sleep(max(0.0, int(started) + 1 - time.time()))  # run folders are named by start time, to the second
+    assert _run(tmp_path, *flags) == 0
+    runs = sorted(p for p in (tmp_path / "out" / "tb").iterdir())
+    assert len(runs) == 2 and all(any(f.name.startswith("events.out.tfevents") for f in r.iterdir()) for r in runs)
 
 
 def test_a_row_longer_than_the_dataset_is_one_error_line_and_exit_2(tmp_path, capsys):
