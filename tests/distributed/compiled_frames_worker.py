@@ -1,21 +1,22 @@
-"""Worker for test_compiled_frames: the debug model compiled (fp32, no AC), under FSDP over the gloo ranks and in one
-process, counting the compiled frames (dynamo's "Torch-Compiled Region" events) each block's forward runs. The
-experts run as one traceable computation (as the GPU's grouped GEMMs are), so a block's only breaks are its own (the
-Gated DeltaNet's kernel call, and a marker hook that opens each block's count); under FSDP the first block's routed
-experts are a unit of their own, whose hooks break its MoE. Rank 0 saves both runs' counts per block."""
+"""Worker for test_compiled_frames (a run of the shared launches, tests/distributed/launch.py): the debug model
+compiled (fp32, no AC), under FSDP over the gloo ranks and in one process, counting the compiled frames (dynamo's
+"Torch-Compiled Region" events) each block's forward runs. The experts run as one traceable computation (as the
+GPU's grouped GEMMs are), so a block's only breaks are its own (the Gated DeltaNet's kernel call, and a marker hook
+that opens each block's count); under FSDP the first block's routed experts are a unit of their own, whose hooks
+break its MoE. Rank 0 saves both runs' counts per block to <folder>/result.pt."""
 
-import gc
-import sys
+import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from models.qwen35_moe import Qwen35MoeModel, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import experts_in_one_graph
+from tests.compiled import batch_ids, compiled_without_inductor, training_loss
 
 
 def frames_per_block(mesh, ids: torch.Tensor) -> list[int]:
@@ -34,8 +35,7 @@ def frames_per_block(mesh, ids: torch.Tensor) -> list[int]:
     model.to_empty(device="cpu")
     model.init_weights(0)
     for _ in range(2):  # compiles, then runs what it compiled
-        out = model(ids)
-        F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()).backward()
+        training_loss(model(ids), ids).backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         model(ids)
     events = sorted((e for e in prof.events() if e.name.startswith(("block ", "Torch-Compiled Region"))),
@@ -49,17 +49,10 @@ def frames_per_block(mesh, ids: torch.Tensor) -> list[int]:
     return counts
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
-    moe.RoutedExperts.forward = experts_in_one_graph
-    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-    record = {"fsdp": frames_per_block(init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), ids),
-              "one_process": frames_per_block(None, ids)}
-    if dist.get_rank() == 0:
-        torch.save(record, out_path)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
+def count(folder: str) -> None:
+    ids = batch_ids(0)
+    # The frames and their breaks are dynamo's, decided before a backend compiles the graphs between them.
+    with mock.patch.object(moe.RoutedExperts, "forward", experts_in_one_graph), compiled_without_inductor():
+        fsdp = frames_per_block(init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), ids)
+        if dist.get_rank() == 0:  # the one-process model, compiled once
+            torch.save({"fsdp": fsdp, "one_process": frames_per_block(None, ids)}, os.path.join(folder, "result.pt"))

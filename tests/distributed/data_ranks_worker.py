@@ -1,15 +1,18 @@
-"""Worker for test_data_ranks: every rank of a gloo world builds the token cache of one jsonl file together
-with the others, recording the work units it tokenized, then reads one batch. Run with torchrun; gloo, or NCCL
-on GPUs when DATA_RANKS_BACKEND=nccl (the trainer's order: set the device, then init the group).
+"""Worker for test_data_ranks (a run of the shared launches, tests/distributed/launch.py): every rank of a gloo world
+builds the token cache of <folder>/<dataset> in <folder>/cache together with the others, recording the work units it
+tokenized, then reads one batch. Also runs alone under torchrun, over gloo, or NCCL on GPUs when
+DATA_RANKS_BACKEND=nccl (the trainer's order: set the device, then init the group):
+`torchrun --nproc_per_node=2 tests/distributed/data_ranks_worker.py FOLDER DATASET UNIT_BYTES`.
 
-Writes <out>/rank<r>.json: {"units": [[start, stop], ...], "cache": folder, "rows": first batch's input_ids},
-or <out>/rank<r>.error with the message when the build fails (then exits non-zero)."""
+Writes <folder>/rank<r>.json: {"units": [[start, stop], ...], "cache": folder, "rows": first batch's input_ids},
+or <folder>/rank<r>.error with the message when the build fails (alone, it then exits non-zero)."""
 
 import gc
 import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -19,31 +22,39 @@ from harness.data.loader import build_dataloader
 from harness.data.tokenizer import ByteTokenizer
 
 
-def main(dataset: str, cache_dir: str, out: str, unit_bytes: str) -> None:
-    backend = os.environ.get("DATA_RANKS_BACKEND", "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)
+def build(folder: str, dataset: str, unit_bytes: str) -> bool:
+    """Whether the build succeeded (every rank's answer is the same)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    harness.data.loader.UNIT_BYTES = int(unit_bytes)
     units, read_unit = [], harness.data.loader.read_unit
 
     def recording_read_unit(kind, unit, text_field="text"):
         units.append([unit.start, unit.stop])
         return read_unit(kind, unit, text_field)
 
-    harness.data.loader.read_unit = recording_read_unit
-    try:
-        loader = build_dataloader("jsonl", dataset, "text", ByteTokenizer(), 16, 2, dp_rank=rank, dp_world_size=world,
-                                  cache_dir=cache_dir)
-    except Exception as e:
-        Path(out, f"rank{rank}.error").write_text(str(e))
-        dist.barrier()  # both ranks got here and wrote their error before either exits
-        raise
-    rows = next(loader)["input_ids"].tolist()
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"units": units, "cache": str(loader.cache.folder),
-                                                         "rows": rows}))
+    with (mock.patch.object(harness.data.loader, "UNIT_BYTES", int(unit_bytes)),
+          mock.patch.object(harness.data.loader, "read_unit", recording_read_unit)):
+        try:
+            loader = build_dataloader("jsonl", os.path.join(folder, dataset), "text", ByteTokenizer(), 16, 2,
+                                      dp_rank=rank, dp_world_size=world, cache_dir=os.path.join(folder, "cache"))
+        except Exception as e:
+            Path(folder, f"rank{rank}.error").write_text(str(e))
+            dist.barrier()  # both ranks got here and wrote their error before either goes on
+            return False
+        rows = next(loader)["input_ids"].tolist()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps({"units": units, "cache": str(loader.cache.folder),
+                                                            "rows": rows}))
+    return True
+
+
+def main(folder: str, dataset: str, unit_bytes: str) -> None:
+    backend = os.environ.get("DATA_RANKS_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    built = build(folder, dataset, unit_bytes)
     dist.destroy_process_group()
+    if not built:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

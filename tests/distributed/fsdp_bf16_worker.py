@@ -1,9 +1,10 @@
-"""Worker for test_fsdp_bf16: FSDP2 with bf16 params on 2 gloo ranks (forced on CPU, where the trainer would
-use fp32), one forward / backward / AdamW step of the debug model at positions near 32k and 256k. Records what
-the fp32 contract promises and the rotary embedding's inputs and outputs; rank 0 saves them."""
+"""Worker for test_fsdp_bf16 (a run of the shared launches, tests/distributed/launch.py): FSDP2 with bf16 params on
+2 gloo ranks (forced on CPU, where the trainer would use fp32), one forward / backward / AdamW step of the debug
+model at positions near 32k and 256k. Records what the fp32 contract promises and the rotary embedding's inputs and
+outputs; rank 0 saves them to <folder>/result.pt."""
 
-import gc
-import sys
+import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,7 @@ from parallel.parallelize import parallelize_qwen35_moe
 POSITION_STARTS = (32_000, 262_000)  # one row each
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def step(folder: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     args = get_flavor("debugmodel")
     with torch.device("meta"):
@@ -55,13 +55,14 @@ def main(out_path: str) -> None:
         record["rope"].append({"x": x.detach(), "cos_dtype": cos.dtype, "sin_dtype": sin.dtype, "out": out.detach()})
         return out
 
-    apply_rope, attention.apply_rope = attention.apply_rope, spy_rope
+    apply_rope = attention.apply_rope
 
     gen = torch.Generator().manual_seed(0)
     seq = 64
     ids = torch.randint(0, args.vocab_size, (2, seq), generator=gen)
     positions = torch.stack([start + torch.arange(seq) for start in POSITION_STARTS])
-    out = model(ids, positions)
+    with mock.patch.object(attention, "apply_rope", spy_rope):
+        out = model(ids, positions)
     out.logits.float().square().mean().backward()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
@@ -69,10 +70,4 @@ def main(out_path: str) -> None:
                            for name, p in model.named_parameters() if name.startswith("layers.0.linear_attn.")}
     record["positions"] = positions
     if dist.get_rank() == 0:
-        torch.save(record, out_path)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
+        torch.save(record, os.path.join(folder, "result.pt"))

@@ -1,26 +1,25 @@
-"""Worker for test_fsdp: a validation pass, then the trainer's first optimizer step of the debug model on the
-real data pipeline, with the MoE balance loss on, then logits without labels. Rank 0 saves the initial weights, the
-validation loss, the step's losses and grad norm, the full gradients, (without CP) its first row's logits, and how
-far apart the ranks' copies of the parameters FSDP leaves whole are.
-Run as one plain process or under torchrun (gloo); extra arguments are config overrides, after an optional
+"""Worker for test_fsdp (a run of the shared launches, tests/distributed/launch.py): a validation pass, then the
+trainer's first optimizer step of the debug model on the real data pipeline, with the MoE balance loss on, then logits
+without labels. Rank 0 saves to <folder>/result.pt the initial weights, the validation loss, the step's losses and grad
+norm, the full gradients, (without CP) its first row's logits, and how far apart the ranks' copies of the parameters
+FSDP leaves whole are.
+In one process or on every rank of the launch; its arguments are config overrides, after an optional
 `--skewed-routing` (see `skewed_router`) or `--one-row-microbatches` (the step accumulates over one-row
 micro-batches)."""
 
-import gc
+import contextlib
 import os
-import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from harness.config import load_config
-from harness.trainer import Trainer
 from models.qwen35_moe.init import canonical_name
 from models.qwen35_moe.moe import TopKRouter
+from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, debug_trainer
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GLOBAL_BATCH = 4
 
 
@@ -66,31 +65,30 @@ def replica_spread(model) -> float | None:
     return max((other - every[0]).abs().max().item() for other in every)
 
 
-def main(out_path: str, *overrides: str) -> None:
-    if overrides and overrides[0] == "--skewed-routing":
-        TopKRouter.forward, overrides = skewed_router, overrides[1:]
+def step(folder: str, *overrides: str) -> None:
+    skewed = bool(overrides) and overrides[0] == "--skewed-routing"
+    overrides = overrides[1:] if skewed else overrides
     one_row_microbatches = bool(overrides) and overrides[0] == "--one-row-microbatches"
     overrides = overrides[1:] if one_row_microbatches else overrides
     # float64: the layouts differ only in summation order, which float64 keeps near 1e-16, so any difference
     # beyond that is a bug. (In fp32 the GDN decay parameters' gradients, sums of nearly cancelling terms,
     # vary by up to 1e-3 relative between any two summation orders.)
     torch.set_default_dtype(torch.float64)
+    try:
+        with mock.patch.object(TopKRouter, "forward", skewed_router) if skewed else contextlib.nullcontext():
+            _step(folder, one_row_microbatches, overrides)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _step(folder: str, one_row_microbatches: bool, overrides: tuple[str, ...]) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     settings = dict(zip(overrides[::2], overrides[1::2]))
     cp = int(settings.get("--parallelism.context_parallel_degree", 1))
-    cfg = load_config([
-        "--config", os.path.join(REPO, "train_configs", "debug_model.toml"),
-        "--training.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
-        "--training.seq_len", "64", "--training.local_batch_size", str(GLOBAL_BATCH * cp // world),
+    trainer = debug_trainer(
+        folder, "--training.local_batch_size", str(GLOBAL_BATCH * cp // world),
         "--training.aux_loss_coef", "0.1",  # on, and large enough to matter in the router gradients
-        "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", os.path.join(os.path.dirname(out_path), "dump_" + os.path.basename(out_path)),
-        "--training.dataset_cache_dir", os.path.join(os.path.dirname(out_path), "dataset_cache"),
-        "--validation.enable", "true", "--validation.steps", "2",
-        "--validation.dataset_path", os.path.join(REPO, "data", "debug_corpus", "train.jsonl"),
-        *overrides,
-    ])
-    trainer = Trainer(cfg)
+        "--validation.enable", "true", "--validation.steps", "2", "--validation.dataset_path", CORPUS, *overrides)
     initial = {canonical_name(name): full(p) for name, p in trainer.model.named_parameters()}
     validation = trainer.validator.validate(trainer.model)
     batch = next(iter(trainer.dataloader))  # DP rank r of W: global rows r, r + W, ... of the same 4 rows
@@ -108,10 +106,5 @@ def main(out_path: str, *overrides: str) -> None:
         torch.save({"out": out, "initial": initial, "grads": grads, "validation": validation,
                     "vocab_parallel": trainer.model.embed_tokens.vocab_parallel is not None, "logits": logits,
                     "replica_spread": spread},
-                   out_path)
-    trainer.close()
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])
-    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
+                   os.path.join(folder, "result.pt"))
+    close_keeping_process_group(trainer)

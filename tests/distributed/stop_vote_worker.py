@@ -1,12 +1,9 @@
-"""Worker for test_stop_vote: two gloo ranks vote at four step boundaries through StopRequested.agreed. Rank 1
-enters the first boundary only once rank 0 has come back from it: a vote that waited for its own all-reduce
-would leave the ranks waiting for each other there (the store's wait then times out). Each rank writes what
-every boundary, then two settles, returned."""
+"""Worker for test_stop_vote (a run of the shared launches, tests/distributed/launch.py): two gloo ranks vote at
+four step boundaries through StopRequested.agreed. Rank 1 enters the first boundary only once rank 0 has come back
+from it: a vote that waited for its own all-reduce would leave the ranks waiting for each other there (the store's
+wait then times out). Each rank writes what every boundary, then two settles, returned."""
 
-import gc
 import json
-import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,10 +12,18 @@ import torch.distributed as dist
 from harness.preemption import INTERRUPTED, TERMINATED, StopRequested
 
 
-def main(out: str) -> None:
-    dist.init_process_group("gloo")
-    rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+def vote(folder: str) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    timeout = store.timeout
     store.set_timeout(timedelta(seconds=30))
+    try:
+        _vote(folder, store)
+    finally:
+        store.set_timeout(timeout)  # the launch's next runs wait on the store as long as they did before
+
+
+def _vote(folder: str, store: dist.Store) -> None:
+    rank = dist.get_rank()
     stop = StopRequested()
     results = []
     if rank == 1:
@@ -35,11 +40,4 @@ def main(out: str) -> None:
     results.append(stop.agreed(dist.group.WORLD))
     results.append(stop.settle())
     results.append(stop.settle())  # nothing in flight any more
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(*sys.argv[1:])
-    gc.collect()  # the process group freed before the interpreter finalizes (harness/train.py)
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(results))

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from tests.builders import fp32_grad_tolerance
-from tests.distributed.launch import REPO, run, torchrun
+from tests.distributed.launch import Run, register
 
-WORKER = str(REPO / "tests" / "distributed" / "compiled_checkpoint_worker.py")
+COMPARE = register(Run("compiled_checkpointing/compare", 2, "tests.distributed.compiled_checkpoint_worker:compare"))
 
 
-def test_compiled_full_checkpointing_under_fsdp_matches_eager(tmp_path):
-    run([*torchrun(2), WORKER, str(tmp_path / "r.pt")], tmp_path)
-    record = torch.load(tmp_path / "r.pt")
+def test_compiled_full_checkpointing_under_fsdp_matches_eager(launches):
+    record = torch.load(launches.folder_of(COMPARE) / "result.pt")
     eager, full = record["eager"], record["full"]
     assert full["traced"] == [False, True, True, True]
     assert full["loss"].item() == pytest.approx(eager["loss"].item(), rel=1e-6)

@@ -9,14 +9,13 @@ process runs 9."""
 
 import torch
 
-from tests.distributed.launch import REPO, run, torchrun
+from tests.distributed.launch import Run, register
 
-WORKER = str(REPO / "tests" / "distributed" / "compiled_frames_worker.py")
+COUNT = register(Run("compiled_frames/count", 2, "tests.distributed.compiled_frames_worker:count"))
 
 
-def test_blocks_after_the_first_run_one_process_compiled_frames_under_fsdp(tmp_path):
-    run([*torchrun(2), WORKER, str(tmp_path / "r.pt")], tmp_path)
-    record = torch.load(tmp_path / "r.pt")
+def test_blocks_after_the_first_run_one_process_compiled_frames_under_fsdp(launches):
+    record = torch.load(launches.folder_of(COUNT) / "result.pt")
     fsdp, one_process = record["fsdp"], record["one_process"]
     assert len(fsdp) == len(one_process) > 2
     assert fsdp[1:] == one_process[1:], (fsdp, one_process)

@@ -1,31 +1,42 @@
 """The token cache built by 2 CPU ranks (gloo): shared work, the same bytes as one process, errors on every rank."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import harness.data.loader
 from harness.data.loader import build_dataloader
 from harness.data.sources import source_units
 from harness.data.tokenizer import ByteTokenizer
-from tests.distributed.launch import REPO, launch, torchrun
+from tests.distributed.launch import Run, register
 from tests.unit.test_data import expected_rows, random_documents, write_jsonl
 
-WORKER = str(REPO / "tests" / "distributed" / "data_ranks_worker.py")
+WORKER = "tests.distributed.data_ranks_worker:build"
 UNIT_BYTES = 200  # about 7 lines of the test file: 20-odd units
+DOCS = random_documents(150, seed=11)
 
 
-def run_two_ranks(tmp_path: Path, dataset: Path, cache_dir: Path) -> subprocess.CompletedProcess:
-    return launch([*torchrun(2), WORKER, str(dataset), str(cache_dir), str(tmp_path), str(UNIT_BYTES)], tmp_path,
-                  timeout=120)
+def bad_lines() -> tuple[list[str], int]:
+    """JSON lines of 100 documents, the one that opens unit 3 (rank 1's) cut short; and its index."""
+    lines = [json.dumps({"text": doc}) for doc in random_documents(100, seed=12)]
+    starts = [sum(len(line) + 1 for line in lines[:i]) for i in range(len(lines))]
+    bad = next(i for i, start in enumerate(starts) if start >= 3 * UNIT_BYTES)
+    lines[bad] = '{"text": "cut short'
+    return lines, bad
 
 
-def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units(tmp_path, monkeypatch):
-    docs = random_documents(150, seed=11)
-    dataset = write_jsonl(tmp_path / "d.jsonl", docs)
-    result = run_two_ranks(tmp_path, dataset, tmp_path / "two")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def write_bad_dataset(folder: Path) -> None:
+    (folder / "bad.jsonl").write_text("\n".join(bad_lines()[0]) + "\n")
+
+
+GOOD = register(Run("data_ranks/good", 2, WORKER, ("d.jsonl", str(UNIT_BYTES)),
+                    lambda folder: write_jsonl(folder / "d.jsonl", DOCS)))
+BAD = register(Run("data_ranks/bad", 2, WORKER, ("bad.jsonl", str(UNIT_BYTES)), write_bad_dataset))
+
+
+def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units(launches, tmp_path, monkeypatch):
+    folder = launches.folder_of(GOOD)
+    dataset = folder / "d.jsonl"
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
     units = [[u.start, u.stop] for u in source_units("jsonl", [dataset], UNIT_BYTES)]
     assert len(units) > 10
@@ -40,21 +51,15 @@ def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units
     for name in files:
         assert (two_folder / name).read_bytes() == (single.cache.folder / name).read_bytes(), name
 
-    want = [row["input_ids"] for row in expected_rows(docs, ByteTokenizer(), 16)]
+    want = [row["input_ids"] for row in expected_rows(DOCS, ByteTokenizer(), 16)]
     assert ranks[0]["rows"] == [want[0], want[2]] and ranks[1]["rows"] == [want[1], want[3]]  # global rows dealt
 
 
-def test_a_bad_line_in_a_unit_of_rank_one_fails_both_ranks_with_its_file_and_line(tmp_path):
-    lines = [json.dumps({"text": doc}) for doc in random_documents(100, seed=12)]
-    starts = [sum(len(line) + 1 for line in lines[:i]) for i in range(len(lines))]
-    bad = next(i for i, start in enumerate(starts) if start >= 3 * UNIT_BYTES)  # opens unit 3: rank 1's
-    lines[bad] = '{"text": "cut short'
-    dataset = tmp_path / "bad.jsonl"
-    dataset.write_text("\n".join(lines) + "\n")
-    result = run_two_ranks(tmp_path, dataset, tmp_path / "cache")
-    assert result.returncode != 0
-    where = f"bad.jsonl:{bad + 1}: not a JSON object"
-    assert where in (tmp_path / "rank1.error").read_text()
-    assert "failed on rank 1" in (tmp_path / "rank0.error").read_text()
-    assert where in (tmp_path / "rank0.error").read_text()
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # no cache, no temporary folder
+def test_a_bad_line_in_a_unit_of_rank_one_fails_both_ranks_with_its_file_and_line(launches):
+    folder = launches.folder_of(BAD)
+    assert not any(folder.glob("rank*.json"))  # neither rank built a loader
+    where = f"bad.jsonl:{bad_lines()[1] + 1}: not a JSON object"
+    assert where in (folder / "rank1.error").read_text()
+    assert "failed on rank 1" in (folder / "rank0.error").read_text()
+    assert where in (folder / "rank0.error").read_text()
+    assert [p.name for p in (folder / "cache").iterdir()] == []  # no cache, no temporary folder

@@ -4,12 +4,12 @@ local-expert gradients in float64, with a rank whose tokens never reach the othe
 
 import pytest
 
-from tests.distributed.launch import REPO, run, torchrun
+from tests.distributed.launch import Run, register
+
+RUNS = {ep: register(Run(f"expert_parallel/ep{ep}", ep, "tests.distributed.expert_parallel_worker:check"))
+        for ep in (2, 4)}
 
 
 @pytest.mark.parametrize("ep", [2, 4])
-def test_expert_parallel_exchange_equals_the_whole_layer(ep, tmp_path):
-    # Inductor compiles in the worker's own process (the compiled case): one CI run under load aborted a rank with
-    # "terminate called without an active exception"; inductor's pool of compile workers is a suspect, not proven.
-    run([*torchrun(ep), str(REPO / "tests" / "distributed" / "expert_parallel_worker.py")], tmp_path, timeout=300,
-        TORCHINDUCTOR_COMPILE_THREADS="1")
+def test_expert_parallel_exchange_equals_the_whole_layer(launches, ep):
+    launches.folder_of(RUNS[ep])  # the worker raises on any difference beyond float64 summation order

@@ -3,43 +3,37 @@ FSDP and HSDP on 2 ranks (the embedding and the lm_head vocabulary-parallel, and
 context parallelism on 2 ranks and CP=2 x FSDP=2 on 4, expert parallelism on 2 and 4 ranks alone and with FSDP,
 HSDP and CP. The same seed gives the same initial weights, and the same global batch
 gives the same loss, MoE balance loss, validation loss and gradients, whatever the layout (in float64, where only
-summation order differs)."""
+summation order differs).
 
-import sys
+Every layout is a run of the shared launches (tests/distributed/launch.py): the layouts of 2 ranks run one after the
+other in one torchrun launch, those of 4 in another, the one-process references in one plain process."""
+
+import dataclasses
+import json
 
 import pytest
 import torch
 
-from tests.distributed.launch import REPO, run, torchrun
+from models.qwen35_moe import get_flavor
+from tests.distributed.launch import Run, register
 
-WORKER = str(REPO / "tests" / "distributed" / "fsdp_step_worker.py")
+STEP = "tests.distributed.fsdp_step_worker:step"
 SKEWED = "--skewed-routing"
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    run([sys.executable, WORKER, str(tmp / "single.pt")], tmp)
-    return tmp, torch.load(tmp / "single.pt")
+NO_BALANCE_LOSS = ("--training.aux_loss_coef", "0")
+TIED = ("--model.hf_config", "{folder}/config.json")  # written by write_tied_uneven_config
 
 
-@pytest.fixture(scope="module")
-def single_skewed(tmp_path_factory):
-    """One process with unbalanced routing: experts 0 and 1 get no token, expert 2 some (the worker's
-    `skewed_router`)."""
-    tmp = tmp_path_factory.mktemp("fsdp_skewed")
-    run([sys.executable, WORKER, str(tmp / "single.pt"), SKEWED], tmp)
-    return tmp, torch.load(tmp / "single.pt")
+def write_tied_uneven_config(folder) -> None:
+    """The debug model with tied embeddings and a 509-row vocabulary (split unevenly over 2 ranks: 255 + 254)."""
+    config = dataclasses.replace(get_flavor("debugmodel"), tie_word_embeddings=True, vocab_size=509).to_hf_config()
+    (folder / "config.json").write_text(json.dumps(config))
 
 
-NO_BALANCE_LOSS = ["--training.aux_loss_coef", "0"]
-
-
-@pytest.fixture(scope="module")
-def single_without_balance_loss(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp_no_balance")
-    run([sys.executable, WORKER, str(tmp / "single.pt"), *NO_BALANCE_LOSS], tmp)
-    return torch.load(tmp / "single.pt")
-
+SINGLE = register(Run("fsdp/single", 1, STEP))
+# One process with unbalanced routing: experts 0 and 1 get no token, expert 2 some (the worker's `skewed_router`).
+SINGLE_SKEWED = register(Run("fsdp/single_skewed", 1, STEP, (SKEWED,)))
+SINGLE_WITHOUT_BALANCE_LOSS = register(Run("fsdp/single_no_balance", 1, STEP, NO_BALANCE_LOSS))
+SINGLE_TIED = register(Run("fsdp/single_tied", 1, STEP, TIED, write_tied_uneven_config))
 
 LAYOUTS = {  # name: (processes, config overrides)
     "fsdp2": (2, []),
@@ -74,29 +68,37 @@ EP_LAYOUTS.update({f"{name}_all_gather": (nproc, [*layout, "--parallelism.expert
                    for name, (nproc, layout) in EP_LAYOUTS.items()
                    if name in ("ep2", "ep4", "ep2_fsdp2", "ep2_cp2", "ep2_selective_ac")})
 
+LAYOUT_RUNS = {name: register(Run(f"fsdp/{name}", nproc, STEP, tuple(layout)))
+               for name, (nproc, layout) in LAYOUTS.items()}
+EP_RUNS = {name: register(Run(f"fsdp/{name}", nproc, STEP, (SKEWED, *layout)))
+           for name, (nproc, layout) in EP_LAYOUTS.items()}
+TIED_FSDP2 = register(Run("fsdp/tied_fsdp2", 2, STEP, TIED, write_tied_uneven_config))
+ONE_ROW_MICROBATCHES_FSDP2 = register(Run("fsdp/one_row_microbatches_fsdp2", 2, STEP,
+                                          ("--one-row-microbatches", *NO_BALANCE_LOSS)))
+
+
+def result(launches, run: Run) -> dict:
+    return torch.load(launches.folder_of(run) / "result.pt")
+
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_ranks_match_single_process(single, name):
+def test_ranks_match_single_process(launches, name):
     """Documents start inside the CP chunks and cross their edges (tests/distributed/fsdp_step_worker.py)."""
-    tmp, ref = single
-    nproc, layout = LAYOUTS[name]
-    run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), *layout], tmp)
-    got = torch.load(tmp / f"{name}.pt")
+    ref, got = result(launches, SINGLE), result(launches, LAYOUT_RUNS[name])
     assert got["vocab_parallel"] == (name not in VOCAB_FSDP)
     assert_same_step(got, ref)
 
 
 @pytest.mark.parametrize("name", list(EP_LAYOUTS))
-def test_expert_parallel_matches_single_process(single_skewed, name):
-    tmp, ref = single_skewed
+def test_expert_parallel_matches_single_process(launches, name):
+    ref = result(launches, SINGLE_SKEWED)
     unused = ref["grads"]["layers.0.mlp.experts.gate_up_proj"][:2]
     assert torch.count_nonzero(unused) == 0  # the routing is as unbalanced as intended
-    nproc, layout = EP_LAYOUTS[name]
-    run([*torchrun(nproc), WORKER, str(tmp / f"{name}.pt"), SKEWED, *layout], tmp)
-    got = torch.load(tmp / f"{name}.pt")
+    got = result(launches, EP_RUNS[name])
     assert got["vocab_parallel"]  # "auto": 2 or 4 shards x 128 or 64 tokens <= the 512-token vocabulary
     assert_same_step(got, ref)
     # The busiest EP rank's tokens over an even split's; under EP=4 rank 0 gets none, so another gets >= 1/3.
+    layout = EP_LAYOUTS[name][1]
     ep = int(layout[layout.index(EP) + 1])
     assert (4 / 3 if ep == 4 else 1.0) - 1e-9 <= got["out"]["ep_rank_load"] <= ep
 
@@ -131,33 +133,20 @@ def assert_same_grads(got: dict, ref: dict) -> None:
         assert rel < 1e-9, f"{key}: relative grad difference {rel:.2e}"
 
 
-def test_tied_embeddings_on_an_uneven_vocabulary_match_single_process(tmp_path):
+def test_tied_embeddings_on_an_uneven_vocabulary_match_single_process(launches):
     """One parameter serving the vocabulary-parallel lookup and loss, its rows split unevenly (509 = 255 + 254): its
     gradient sums both uses' over both ranks' tokens, as one process's does."""
-    import dataclasses
-    import json
-
-    from models.qwen35_moe import get_flavor
-
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(dataclasses.replace(get_flavor("debugmodel"), tie_word_embeddings=True,
-                                                     vocab_size=509).to_hf_config()))
-    tied = ["--model.hf_config", str(config)]
-    run([sys.executable, WORKER, str(tmp_path / "single.pt"), *tied], tmp_path)
-    run([*torchrun(2), WORKER, str(tmp_path / "fsdp2.pt"), *tied], tmp_path)
-    ref, got = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "fsdp2.pt")
+    ref, got = result(launches, SINGLE_TIED), result(launches, TIED_FSDP2)
     assert got["vocab_parallel"] and "lm_head.weight" not in ref["grads"]
     assert ref["grads"]["embed_tokens.weight"].shape[0] == 509
     assert_same_step(got, ref)
 
 
-def test_gradient_accumulation_under_vocab_parallel_matches_one_process(single_without_balance_loss, tmp_path):
+def test_gradient_accumulation_under_vocab_parallel_matches_one_process(launches):
     """Each FSDP rank accumulates the step over two one-row micro-batches: the vocabulary-parallel lm_head's and
     embedding's slice gradients add up over them as FSDP's units' do, against one process's one micro-batch of the
     same 4 rows (the balance loss off: it is pooled per micro-batch, so it depends on the split)."""
-    ref = single_without_balance_loss
-    run([*torchrun(2), WORKER, str(tmp_path / "fsdp2.pt"), "--one-row-microbatches", *NO_BALANCE_LOSS], tmp_path)
-    got = torch.load(tmp_path / "fsdp2.pt")
+    ref, got = result(launches, SINGLE_WITHOUT_BALANCE_LOSS), result(launches, ONE_ROW_MICROBATCHES_FSDP2)
     assert got["vocab_parallel"]
     assert got["out"]["loss"] == pytest.approx(ref["out"]["loss"], rel=1e-9)
     assert_same_grads(got, ref)

@@ -5,17 +5,15 @@ import pytest
 import torch
 
 from models.qwen35_moe import get_flavor
-from tests.distributed.launch import REPO, run, torchrun
+from tests.distributed.launch import Run, register
 
-WORKER = str(REPO / "tests" / "distributed" / "fsdp_bf16_worker.py")
 FP32_PARAMS = ("_fp32_params.A_log", "_fp32_params.dt_bias", "norm.weight")  # of each linear_attn
+STEP = register(Run("fsdp_bf16/step", 2, "tests.distributed.fsdp_bf16_worker:step"))
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bf16")
-    run([*torchrun(2), WORKER, str(tmp / "r.pt")], tmp)
-    return torch.load(tmp / "r.pt")
+def record(launches):
+    return torch.load(launches.folder_of(STEP) / "result.pt")
 
 
 def gdn_layers():

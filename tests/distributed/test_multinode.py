@@ -9,7 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.distributed.launch import Run, register, started_processes
+from tests.distributed.train_worker import losses
+
 REPO = Path(__file__).resolve().parents[2]
+FLAGS = ("--training.steps", "3", "--training.seq_len", "64", "--metrics.enable_tensorboard", "false",
+         "--metrics.log_freq", "1")
+# The same 4 rows per step in one process (the loader deals data-parallel rank r rows r, r + 2, ...).
+ONE_PROCESS = register(Run("multinode/one_process", 1, "tests.distributed.train_worker:train",
+                           (*FLAGS, "--training.local_batch_size", "4")))
 
 
 def free_port() -> int:
@@ -18,31 +26,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_train_with_context_parallel_and_fsdp(tmp_path):
+def two_nodes(folder: Path) -> None:
+    """The two launchers, CP=2 x FSDP=2 over their 4 processes; what each printed and its exit code in folder."""
     env = {**os.environ, "NNODES": "2", "NGPU": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
            "RDZV_ID": "two-node-test", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    common = [str(REPO / "run_train.sh"), "--training.steps", "3", "--training.seq_len", "64",
-              "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"]
-    args = [*common, "--training.local_batch_size", "2", "--parallelism.context_parallel_degree", "2",
-            "--job.dump_folder", str(tmp_path / "out")]
+    args = [str(REPO / "run_train.sh"), *FLAGS, "--training.local_batch_size", "2",
+            "--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(folder / "out")]
     nodes = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    results = [node.communicate(timeout=300) for node in nodes]
-    for node, (out, err) in zip(nodes, results):
-        assert node.returncode == 0, err[-3000:]
-    summary = "".join(out for out, _ in results)
+    for i, node in enumerate(nodes):
+        out, err = node.communicate(timeout=300)
+        (folder / f"node{i}.json").write_text(json.dumps({"returncode": node.returncode, "out": out, "err": err}))
+
+
+TWO_NODES = started_processes("multinode/two_nodes", two_nodes)
+
+
+def test_two_nodes_train_with_context_parallel_and_fsdp(launches):
+    folder = launches.folder_of(TWO_NODES)
+    nodes = [json.loads((folder / f"node{i}.json").read_text()) for i in range(2)]
+    for node in nodes:
+        assert node["returncode"] == 0, node["err"][-3000:]
+    summary = "".join(node["out"] for node in nodes)
     assert "done: 3 steps, 768 tokens" in summary  # 2 data-parallel ranks x 2 rows x 64 tokens per step
 
-    # The same 4 rows per step in one process (the loader deals data-parallel rank r rows r, r + 2, ...).
-    single = {**os.environ, "NGPU": "1", "PYTHON": sys.executable}
-    done = subprocess.run([*common, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")],
-                          env=single, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = {}
-    for name in ("out", "one"):
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [r["loss"] for r in rows]
-    assert len(losses["out"]) == 3
+    rows = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    two_nodes = {r["step"]: r["loss"] for r in rows}
+    one_process = losses(launches.folder_of(ONE_PROCESS))
+    assert sorted(two_nodes) == sorted(one_process) == [1, 2, 3]
     # fp32, differing in summation order only: measured <= 8e-8 relative over the 3 steps (two AdamW updates).
-    for step, (multi, one) in enumerate(zip(losses["out"], losses["one"]), start=1):
-        assert abs(multi - one) <= 1e-5 * abs(one), (step, multi, one)
+    for step, one in one_process.items():
+        assert abs(two_nodes[step] - one) <= 1e-5 * abs(one), (step, two_nodes[step], one)

@@ -13,9 +13,9 @@ from models.qwen35_moe import get_flavor
 from models.qwen35_moe.fp32_contract import Fp32ParamsModule
 from models.qwen35_moe.moe import RoutedExperts
 from tests.builders import initialized_model
-from tests.distributed.launch import REPO, run, torchrun
+from tests.distributed.launch import Run, register
 
-WORKER = str(REPO / "tests" / "distributed" / "reshard_auto_worker.py")
+WORKER = "tests.distributed.reshard_auto_worker:run"
 ROOM, NO_ROOM = str(10**15), "0"
 
 
@@ -35,22 +35,24 @@ def gathered_bytes_expected(ep: int) -> int:
     return total
 
 
-def _run(tmp_path, name, nproc, mode, capacity, layout):
-    out = tmp_path / name
-    out.mkdir()
-    run([*torchrun(nproc), WORKER, str(out), mode, capacity, *layout], tmp_path)
-    return json.loads((out / "result.json").read_text())
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+RUNS = {  # layout: runs (mode and memory) of it
+    "fsdp2": {name: register(Run(f"reshard_auto/fsdp2_{name}", 2, WORKER, (mode, capacity)))
+              for name, mode, capacity in [("default", "default", ROOM), ("auto", "auto", ROOM),
+                                           ("tight", "auto", NO_ROOM)]},
+    "ep2_fsdp2": {name: register(Run(f"reshard_auto/ep2_fsdp2_{name}", 4, WORKER, (mode, ROOM, *EP2)))
+                  for name, mode in [("default", "default"), ("auto", "auto")]},
+}
 
 
-@pytest.mark.parametrize("name, nproc, ep", [("fsdp2", 2, 1), ("ep2_fsdp2", 4, 2)])
-def test_auto_measures_the_units_and_keeps_their_weights_without_changing_the_run(tmp_path, name, nproc, ep):
-    layout = ["--parallelism.expert_parallel_degree", str(ep)] if ep > 1 else []
-    default = _run(tmp_path, "default", nproc, "default", ROOM, layout)
-    auto = _run(tmp_path, "auto", nproc, "auto", ROOM, layout)
+@pytest.mark.parametrize("name, ep", [("fsdp2", 1), ("ep2_fsdp2", 2)])
+def test_auto_measures_the_units_and_keeps_their_weights_without_changing_the_run(launches, name, ep):
+    results = {run: json.loads((launches.folder_of(r) / "result.json").read_text()) for run, r in RUNS[name].items()}
+    default, auto = results["default"], results["auto"]
     assert default["measured"] == [] and default["left"] == default["units"] > 0
     assert auto["measured"] == [gathered_bytes_expected(ep)] and auto["left"] == 0
     assert auto["losses"] == default["losses"] and len(auto["losses"]) == 3
     if ep == 1:
-        tight = _run(tmp_path, "tight", nproc, "auto", NO_ROOM, layout)
+        tight = results["tight"]
         assert tight["measured"] == auto["measured"] and tight["left"] == tight["units"]
         assert tight["losses"] == default["losses"]

@@ -3,12 +3,11 @@ keeps them (a unit keeps its weights on all of its ranks or on none)."""
 
 import json
 
-from tests.distributed.launch import REPO, launch, torchrun
+from tests.distributed.launch import Run, register
 
-WORKER = str(REPO / "tests" / "distributed" / "reshard_vote_worker.py")
+VOTE = register(Run("reshard_vote/vote", 2, "tests.distributed.reshard_vote_worker:vote"))
 
 
-def test_every_rank_keeps_or_none_does(tmp_path):
-    result = launch([*torchrun(2), WORKER, str(tmp_path)], tmp_path, timeout=120)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[False, True]] * 2
+def test_every_rank_keeps_or_none_does(launches):
+    folder = launches.folder_of(VOTE)
+    assert [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)] == [[False, True]] * 2

@@ -4,15 +4,14 @@ on every rank, and never waiting at a boundary for the other rank to arrive."""
 import json
 
 from harness.preemption import INTERRUPTED, TERMINATED
-from tests.distributed.launch import REPO, launch, torchrun
+from tests.distributed.launch import Run, register
 
-WORKER = str(REPO / "tests" / "distributed" / "stop_vote_worker.py")
+VOTE = register(Run("stop_vote/vote", 2, "tests.distributed.stop_vote_worker:vote"))
 
 
-def test_ranks_agree_one_boundary_late_without_waiting_for_each_other(tmp_path):
-    result = launch([*torchrun(2), WORKER, str(tmp_path)], tmp_path, timeout=120)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_ranks_agree_one_boundary_late_without_waiting_for_each_other(launches):
+    folder = launches.folder_of(VOTE)
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
     # boundary 1 and 2 return the votes before any signal; 3 rank 1's SIGTERM (cast at 2); 4 and the settled vote
     # the larger of rank 0's Ctrl-C and rank 1's SIGTERM; a second settle has nothing in flight
     assert ranks[0] == ranks[1] == [0, 0, TERMINATED, INTERRUPTED, INTERRUPTED, 0]

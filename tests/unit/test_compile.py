@@ -12,35 +12,22 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import compile_blocks, experts_in_one_graph, fp32_grad_tolerance, initialized_model
-
-SEQ = 96
-
-
-def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa=False):
-    """torch's varlen_attn for equal query and key segments, per segment with SDPA; checks the ints it is given."""
-    assert isinstance(max_q, int) and isinstance(max_k, int), (type(max_q), type(max_k))
-    bounds = cu_q.tolist()
-    assert torch.equal(cu_q, cu_k) and window_size == (-1, 0)
-    assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
-    out = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
-                                          enable_gqa=enable_gqa).transpose(0, 1)
-           for a, b in zip(bounds, bounds[1:])]
-    return torch.cat(out)
-
-
-def _positions(documents: list[list[int]]) -> torch.Tensor:
-    """(B, SEQ) position ids of rows packing documents of the given lengths."""
-    rows = [torch.cat([torch.arange(n) for n in row]) for row in documents]
-    assert all(len(r) == SEQ for r in rows)
-    return torch.stack(rows)
-
+from tests.compiled import (
+    BATCH,
+    SEQ,
+    assert_compiled_matches_eager,
+    batch_ids,
+    loss_and_grads,
+    packed_positions,
+    training_loss,
+    varlen_stand_in,
+)
 
 # An unpacked batch, then packed ones with every document count and longest document different.
 LAYOUTS = [None, [[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [5, 91]], [[1, 94, 1], [70, 26]],
@@ -48,36 +35,12 @@ LAYOUTS = [None, [[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [5, 91]]
 WARMUP = 3  # the unpacked path, a packed one, and the recompile that makes cu_seqlens' size dynamic
 
 
-def _step(model, ids, positions, **inputs):
-    """One forward and backward (`inputs`: more of the model's arguments, e.g. a layout); the loss and gradients."""
-    out = model(ids, positions, **inputs)
-    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    return loss.item(), grads
-
-
-def assert_compiled_matches_eager(compiled: tuple, eager: tuple, what) -> None:
-    """(loss, gradients) of a compiled step against the eager step's: fp32 on CPU, where compiled kernels fuse and
-    sum in other orders than eager ops."""
-    (loss_c, grads_c), (loss, grads) = compiled, eager
-    assert loss_c == pytest.approx(loss, rel=1e-6), what
-    for name, grad in grads.items():
-        tol = fp32_grad_tolerance(name)
-        # An element's summation noise follows the magnitudes summed into it, not its own value, so the absolute
-        # floor grows with the tensor's largest element: on an AVX2 host the embedding's gradient differed by
-        # 1.25e-7 at a near-zero element (max |grad| 0.11), eager and compiled each 1.6e-7 from float64.
-        atol = tol * max(1e-2, grad.abs().max().item())
-        torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=atol, msg=f"{name} {what}")
-
-
 @pytest.mark.parametrize("ac_mode", ["none", "full"])
 def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
     """Also under full AC, compiled in two halves with the MoE half's checkpoint traced (the experts as one graph,
     as on the GPU): the recompute must pick the forward's graphs whatever the layout."""
     monkeypatch.setattr(attention, "_flash_applies", lambda q: True)
-    monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_stand_in, True))
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (varlen_stand_in, True))
     torch._dynamo.reset()
     eager = initialized_model(get_flavor("debugmodel"))
     compiled = copy.deepcopy(eager)
@@ -93,9 +56,10 @@ def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
         if i == WARMUP:
             compiles_after_warmup = counters["frames"]["ok"]
             assert compiles_after_warmup > 0  # the blocks did compile
-        ids = torch.randint(0, 512, (2, SEQ), generator=g)
-        positions = None if documents is None else _positions(documents)
-        assert_compiled_matches_eager(_step(compiled, ids, positions), _step(eager, ids, positions), documents)
+        ids = torch.randint(0, 512, (BATCH, SEQ), generator=g)
+        positions = None if documents is None else packed_positions(documents)
+        assert_compiled_matches_eager(loss_and_grads(compiled, ids, positions), loss_and_grads(eager, ids, positions),
+                                      documents)
     assert counters["frames"]["ok"] == compiles_after_warmup, "new document layouts recompiled the blocks"
     torch._dynamo.reset()
 
@@ -103,7 +67,7 @@ def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
 def _compiled_graph_calls(model, ids) -> int:
     """How many times compiled graphs run, forward and backward, in one step of `model`."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _step(model, ids, None)
+        loss_and_grads(model, ids, None)
     return sum(e.name.startswith("## Call CompiledFxGraph") for e in prof.events())
 
 
@@ -118,11 +82,11 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
     compile_blocks(plain)
     checkpointed = parallelize_qwen35_moe(copy.deepcopy(eager), None, param_dtype=torch.float32,
                                           reduce_dtype=torch.float32, ac_mode=ac_mode, compile=True)
-    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    loss, grads = _step(eager, ids, None)
+    ids = batch_ids(5)
+    loss, grads = loss_and_grads(eager, ids, None)
     for _ in range(2):  # compiles, then runs the compiled graphs
-        loss_c, grads_c = _step(checkpointed, ids, None)
-        _step(plain, ids, None)
+        loss_c, grads_c = loss_and_grads(checkpointed, ids, None)
+        loss_and_grads(plain, ids, None)
     if ac_mode == "full":  # the CPU reference experts loop on the host: each MoE half's checkpoint is eager
         assert [layer.runner.moe_half_traced for layer in checkpointed.layers.values()] == [False] * len(checkpointed.layers)
     calls, calls_plain = _compiled_graph_calls(checkpointed, ids), _compiled_graph_calls(plain, ids)
@@ -136,8 +100,7 @@ def test_checkpointed_blocks_still_run_compiled_and_match_eager(ac_mode):
 
 
 def _routing_ops_in_backward(model, ids) -> int:
-    out = model(ids)
-    loss = F.cross_entropy(out.logits.flatten(0, 1), ids.roll(-1, dims=1).flatten()) + 0.01 * out.aux_loss
+    loss = training_loss(model(ids), ids)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         loss.backward()
     model.zero_grad()
@@ -162,10 +125,10 @@ def test_full_checkpointing_compiles_each_moe_half_with_its_checkpoint(monkeypat
             projections["returned"] += 1
             return out
         monkeypatch.setattr(layer.mixer, "project", project)
-    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(6))
-    loss, grads = _step(eager, ids, None)
+    ids = batch_ids(6)
+    loss, grads = loss_and_grads(eager, ids, None)
     for _ in range(2):
-        loss_c, grads_c = _step(checkpointed, ids, None)
+        loss_c, grads_c = loss_and_grads(checkpointed, ids, None)
     # Each step: every layer's forward (entered, returned) and recompute (entered, stopped inside).
     assert projections == {"entered": 4 * len(eager.layers), "returned": 2 * len(eager.layers)}
     assert [layer.runner.moe_half_traced for layer in checkpointed.layers.values()] == [True] * len(checkpointed.layers)

@@ -1,5 +1,5 @@
 """run_train.sh as a user runs it (a subprocess): exit codes, one-line errors, --help, any interpreter and any
-directory, the run's account (config.toml, summary, TensorBoard per run)."""
+directory, the run's account (config.toml, summary)."""
 
 from __future__ import annotations
 
@@ -89,18 +89,6 @@ def test_embedded_default_runs_from_another_directory_and_accounts_for_itself(tm
     assert saved.training.steps == 2 and saved.training.seq_len == 64
     assert saved.training.dataset_path == str(REPO / "data" / "debug_corpus" / "train.jsonl")
     assert load_config(["--config", str(out / "config.toml")]) == saved
-
-
-def test_a_fresh_run_keeps_its_tensorboard_events_apart_from_an_earlier_run(tmp_path):
-    flags = [*FAST, "--training.steps", "1", "--metrics.enable_tensorboard", "true", "--job.dump_folder",
-             str(tmp_path / "o")]
-    assert run_train(*flags).returncode == 0
-    import time
-
-    time.sleep(1.1)  # run folders are named by start time, to the second
-    assert run_train(*flags).returncode == 0
-    runs = sorted(p for p in (tmp_path / "o" / "tb").iterdir())
-    assert len(runs) == 2 and all(any(f.name.startswith("events.out.tfevents") for f in r.iterdir()) for r in runs)
 
 
 def test_cpu_threads_are_split_over_the_processes_and_wait_passively_unless_set():

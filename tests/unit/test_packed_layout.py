@@ -9,12 +9,14 @@ from torch._dynamo.utils import counters
 from models.qwen35_moe import attention, get_flavor
 from models.qwen35_moe.documents import document_layout
 from tests.builders import compile_blocks, initialized_model
-from tests.unit.test_compile import (
+from tests.compiled import (
+    BATCH,
     SEQ,
-    _positions,
-    _step,
-    _varlen_stand_in,
     assert_compiled_matches_eager,
+    batch_ids,
+    loss_and_grads,
+    packed_positions,
+    varlen_stand_in,
 )
 
 
@@ -32,11 +34,11 @@ def test_the_packed_layout_of_whole_rows_computes_what_the_plain_layout_does():
     """Float64 on CPU: the varlen paths (the gated delta rule's recurrence restarted at each cu_seqlens bound,
     attention under a per-document mask) against the plain ones (the recurrence per batch row, causal SDPA)."""
     model = initialized_model(get_flavor("debugmodel")).double()
-    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    ids = batch_ids(5)
     positions = torch.arange(SEQ).expand(2, SEQ)
-    loss, grads = _step(model, ids, None)  # no position ids: the plain layout
+    loss, grads = loss_and_grads(model, ids, None)  # no position ids: the plain layout
     layout = document_layout(positions, 2, SEQ, positions.device, packed=True)
-    loss_packed, grads_packed = _step(model, ids, None, layout=layout)
+    loss_packed, grads_packed = loss_and_grads(model, ids, None, layout=layout)
     assert loss_packed == pytest.approx(loss, rel=1e-12)
     for name, grad in grads.items():  # float64: only summation order differs
         torch.testing.assert_close(grads_packed[name], grad, rtol=1e-9, atol=1e-12, msg=name)
@@ -47,7 +49,7 @@ def test_a_compiled_run_meeting_rows_of_one_document_does_not_compile_again(monk
     recompile makes cu_seqlens' size dynamic), a batch whose rows each hold one document compiles nothing. With the
     plain layout it took another path through every block: a recompile, and on CUDA FLA's other kernels."""
     monkeypatch.setattr(attention, "_flash_applies", lambda q: True)
-    monkeypatch.setattr(attention, "_varlen_attn", lambda: (_varlen_stand_in, True))
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: (varlen_stand_in, True))
     torch._dynamo.reset()
     eager = initialized_model(get_flavor("debugmodel"))
     compiled = initialized_model(get_flavor("debugmodel"))
@@ -56,11 +58,11 @@ def test_a_compiled_run_meeting_rows_of_one_document_does_not_compile_again(monk
     for i, documents in enumerate([[[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [96]], [[50, 46], [96]]]):
         if i == 2:
             compiles = counters["frames"]["ok"]
-        ids = torch.randint(0, 512, (2, SEQ), generator=g)
-        positions = _positions(documents)
+        ids = torch.randint(0, 512, (BATCH, SEQ), generator=g)
+        positions = packed_positions(documents)
         layout = document_layout(positions, 2, SEQ, positions.device, packed=True)
-        assert_compiled_matches_eager(_step(compiled, ids, None, layout=layout),
-                                      _step(eager, ids, positions),  # [[96], [96]]: the plain layout
+        assert_compiled_matches_eager(loss_and_grads(compiled, ids, None, layout=layout),
+                                      loss_and_grads(eager, ids, positions),  # [[96], [96]]: the plain layout
                                       documents)
     assert counters["frames"]["ok"] == compiles, "a batch of whole-row documents recompiled the blocks"
     torch._dynamo.reset()

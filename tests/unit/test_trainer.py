@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,16 @@ def test_smoke_run_loss_falls_and_metrics_have_the_keys(tmp_path, capsys):
     assert rows[0]["mfu"] is None  # CPU: no peak to divide by
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "out" / "tb").glob("*/*"))
+
+
+def test_a_fresh_run_keeps_its_tensorboard_events_apart_from_an_earlier_run(tmp_path):
+    flags = ["--training.steps", "1", "--metrics.enable_tensorboard", "true"]
+    started = time.time()
+    assert _run(tmp_path, *flags) == 0
+    time.sleep(max(0.0, int(started) + 1 - time.time()))  # run folders are named by start time, to the second
+    assert _run(tmp_path, *flags) == 0
+    runs = sorted(p for p in (tmp_path / "out" / "tb").iterdir())
+    assert len(runs) == 2 and all(any(f.name.startswith("events.out.tfevents") for f in r.iterdir()) for r in runs)
 
 
 def test_a_row_longer_than_the_dataset_is_one_error_line_and_exit_2(tmp_path, capsys):
@@ -129,7 +141,7 @@ def test_malformed_toml_names_file_and_line(tmp_path, capsys):
 
 def test_readme_train_command_runs(tmp_path):
     """The README's training command (with a short run) works from the repository root."""
-    env = {**os.environ, "NGPU": "1"}
+    env = {**os.environ, "NGPU": "1", "PYTHON": sys.executable}  # the interpreter under test, not PATH's python3
     result = subprocess.run(
         ["./run_train.sh", "--training.steps", "2", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "o")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

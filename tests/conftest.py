@@ -1,0 +1,40 @@
+"""Session-wide setup: one intra-op thread, the order of the folders, and the distributed tests' shared launches
+(tests/distributed/launch.py), started in the background at the session's start."""
+
+import os
+import sys
+
+import pytest
+
+# One thread in every test process, as the distributed tests' ranks and run_train.sh's tests have always had: the
+# shared launches run beside the other tests, on the same cores, where a second intra-op thread only waits for a
+# core (the whole suite took 10-15% longer with two on 2 cores). torch reads this once, when it loads.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests.distributed.launch import SharedLaunches  # noqa: E402  (after the thread setting: it imports no torch)
+
+ORDER = ("unit", "distributed", "gpu")  # the distributed tests last but the GPU's: their launches have had time
+
+
+def pytest_collection_modifyitems(config, items):
+    def folder(item):
+        parts = item.path.relative_to(config.rootpath).parts  # ("tests", "unit", "test_x.py")
+        return ORDER.index(parts[1]) if len(parts) > 2 and parts[1] in ORDER else len(ORDER)
+
+    items.sort(key=folder)  # stable: each folder keeps its own order
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory) -> SharedLaunches:
+    """The registered runs (tests/distributed/launch.py), one launch per stage and number of processes."""
+    shared = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches_in_background(request):
+    """Starts the shared launches when the session starts, if a selected test reads them."""
+    if any("launches" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("launches").start()

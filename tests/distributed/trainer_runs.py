@@ -1,0 +1,29 @@
+"""The trainer in a run of the shared launches (tests/distributed/launch.py): the debug model on the debug corpus,
+64-token rows, outputs in the run's folder; closed without ending the process group the launch's next runs use."""
+
+import os
+from unittest import mock
+
+import torch.distributed as dist
+
+from harness.config import load_config
+from harness.trainer import Trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CORPUS = os.path.join(REPO, "data", "debug_corpus", "train.jsonl")
+
+
+def debug_trainer(folder: str, *overrides: str) -> Trainer:
+    """A Trainer of train_configs/debug_model.toml, dumping to <folder>/dump, its token cache shared with the other
+    runs of the test module (the folder's parent); `overrides` are config flags."""
+    return Trainer(load_config([
+        "--config", os.path.join(REPO, "train_configs", "debug_model.toml"), "--training.dataset_path", CORPUS,
+        "--training.seq_len", "64", "--metrics.enable_tensorboard", "false",
+        "--job.dump_folder", os.path.join(folder, "dump"),
+        "--training.dataset_cache_dir", os.path.join(os.path.dirname(folder), "dataset_cache"), *overrides,
+    ]))
+
+
+def close_keeping_process_group(trainer: Trainer) -> None:
+    with mock.patch.object(dist, "destroy_process_group", lambda *args, **kwargs: None):
+        trainer.close()
