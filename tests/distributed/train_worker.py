@@ -15,7 +15,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from harness.launch import DEFAULT_CONFIG
+from harness.config import DEFAULT_CONFIG
 from harness.train import main
 
 
