@@ -39,6 +39,7 @@ from .optim.fast_adam import FastAdam
 from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
+from .resume_config import apply_optimizer_settings, other_changes
 from .runtime import cpu_process_group, init_process_group, pick_device, set_seed
 from .data.tokenizer import build_tokenizer
 from .validation import Validator
@@ -119,6 +120,7 @@ class Trainer:
         if resume_step is not None:
             train_state = self.checkpointer.resume(resume_step)
             self.step, tb_run = train_state["step"], train_state["tb_run"]
+            self._apply_relaunch_config(train_state.get("run_config"))
         self.first_step = self.step  # where this launch starts
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, enabled=self.rank == 0, job_name=cfg.job.name,
@@ -130,6 +132,14 @@ class Trainer:
         self.started = time.perf_counter()
         if self.rank == 0:
             self._save_config()
+
+    def _apply_relaunch_config(self, saved_config: dict | None) -> None:
+        """This launch's optimizer settings on top of the loaded state (harness/resume_config.py); a line for each
+        value the relaunch changed."""
+        changes = apply_optimizer_settings(self.optimizer, self.lr_scheduler, self.cfg)
+        changes += other_changes(saved_config, self.cfg)
+        if changes and self.rank == 0:
+            logger.info("resumed with this launch's config; changed since the checkpoint:\n  %s", "\n  ".join(changes))
 
     def _save_config(self) -> None:
         """The resolved config, printed and saved as <dump_folder>/config.toml (`--config` on it repeats the run)."""
