@@ -1,6 +1,6 @@
 """Bad data, injected for real: every malformed dataset, damaged cache or unfitting data position ends in a DataError
-naming the file and line (or byte, row, key, cache folder) at fault; an interrupted cache build leaves no temporary
-folder. The data contract: docs/design.md ("Packed documents").
+naming the file and line (or byte, row, key, cache folder) at fault, and the run in exit 2 with one `error:` line;
+an interrupted cache build leaves no temporary folder. The data contract: docs/design.md ("Packed documents").
 The same under two ranks: tests/distributed/test_data_ranks.py."""
 
 from __future__ import annotations
@@ -9,6 +9,10 @@ import gzip
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +23,13 @@ from harness.data import token_cache
 from harness.data.loader import DataError, StreamPacker, build_dataloader
 from harness.data.token_cache import META_FILE, STARTS_FILE, TOKENS_FILE
 from harness.data.tokenizer import ByteTokenizer
+from harness.train import BAD_INPUT, main
 from tests.unit.test_data import fake_datasets, random_documents, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--training.steps", "1", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--metrics.enable_tensorboard", "false", "--checkpoint.export_hf_at_end", "false"]
+
 
 def build(source: Path, cache_dir: Path, kind: str = "jsonl", tok=None, verify: str = "quick", seq_len: int = 8):
     return build_dataloader(kind, str(source), "text", tok or ByteTokenizer(), seq_len, 1, cache_dir=cache_dir,
@@ -273,3 +283,55 @@ def test_a_saved_position_that_does_not_fit_is_a_data_error(tmp_path):
         packer.load_state_dict(state)
     with pytest.raises(DataError, match="doc_index=None"):
         packer.load_state_dict({**packer.state_dict(), "doc_index": None})
+
+
+# -- through the entry point: exit 2, one `error:` line, no traceback ------------------------------------------------
+
+
+def one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+def test_train_on_an_invalid_json_line_exits_2_with_one_line_naming_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(lines(GOOD, GOOD, "{oops"))
+    result = subprocess.run([sys.executable, "-m", "harness.train", *FAST, "--training.dataset_path", str(bad),
+                             "--job.dump_folder", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == BAD_INPUT, result.stderr
+    assert one_error_line(result.stderr).startswith(f"error: {bad}:3: not a JSON object")
+
+
+def test_train_on_a_damaged_cache_exits_2_with_one_line(tmp_path, capsys):
+    cache_dir = tmp_path / "out" / "dataset_cache"  # where the run below looks: the same dataset and tokenizer
+    folder = build(REPO / "data" / "debug_corpus" / "train.jsonl", cache_dir).cache.folder
+    edit_starts(folder, lambda s: swap(s, 10, 11))
+    assert main([*FAST, "--job.dump_folder", str(tmp_path / "out")]) == BAD_INPUT
+    assert one_error_line(capsys.readouterr().err).startswith(f"error: dataset cache {folder} is damaged: "
+                                                              f"doc_starts.bin does not increase at document 11")
+
+
+# A slow tokenizer, so that SIGTERM surely comes while the cache is being built; the rest is harness.train as is.
+SLOW_TRAIN = """import runpy, time
+from harness.data.tokenizer import ByteTokenizer
+encode = ByteTokenizer.encode
+ByteTokenizer.encode = lambda self, text: time.sleep(0.002) or encode(self, text)
+runpy.run_module("harness.train", run_name="__main__")"""
+
+
+def test_sigterm_during_the_cache_build_removes_the_temporary_folder_and_says_so_in_one_line(tmp_path):
+    cache_dir = tmp_path / "out" / "dataset_cache"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_TRAIN, *FAST, "--job.dump_folder", str(tmp_path / "out")],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(cache_dir.glob(".*.tmp-*/part-*")):  # the build has begun writing
+        assert proc.poll() is None and time.monotonic() < deadline, "no cache build seen"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "Traceback" not in stderr and stderr.splitlines()[-1] == "stopped on SIGTERM while starting; nothing saved"
+    assert leftovers(cache_dir) == []
