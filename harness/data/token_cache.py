@@ -221,6 +221,14 @@ def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_uni
 def open_cache(folder: Path, vocab_size: int, verify: Verify = "quick") -> TokenCache:
     """Open a complete cache and check it (see the module docstring); a missing, damaged or incomplete one is a
     DataError naming the folder, what failed and what to do."""
+    try:
+        return _open_checked(folder, vocab_size, verify)
+    except OSError as e:  # a file that cannot be read (permissions, an I/O error) fails the check too
+        raise DataError(f"dataset cache {folder} cannot be read ({e}): check its permissions and storage, or delete "
+                        f"the folder and the next run rebuilds it") from None
+
+
+def _open_checked(folder: Path, vocab_size: int, verify: Verify) -> TokenCache:
     meta_path = folder / META_FILE
     if not folder.is_dir():
         raise DataError(f"dataset cache {folder} not found: if another rank built it, the dataset cache folder must "
@@ -246,7 +254,9 @@ def open_cache(folder: Path, vocab_size: int, verify: Verify = "quick") -> Token
         raise _damaged(folder, f"its {META_FILE} records {meta['num_tokens']} tokens, {meta['num_documents']} "
                                f"documents and file sizes {meta['file_bytes']}, which do not fit together")
     for name, size in expected.items():
-        actual = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if not (folder / name).is_file():
+            raise _damaged(folder, f"{name} is missing")
+        actual = (folder / name).stat().st_size
         if actual != size:
             raise _damaged(folder, f"{name} has {actual} bytes where {META_FILE} records {size} (truncated copy?)")
     if not 0 <= meta["token_min"] <= meta["token_max"] < vocab_size:

@@ -192,6 +192,7 @@ DAMAGE = {  # name: (what is done to a cache of 40 documents, the error it must 
                           "its meta.json does not match its checksum"),
     "meta_cut_short": (lambda f: edit_meta(f, lambda t: t[: len(t) // 2]), "its meta.json is unreadable"),
     "meta_not_an_object": (lambda f: edit_meta(f, lambda t: "[]"), "its meta.json does not match its checksum"),
+    "doc_starts_missing": (lambda f: (f / STARTS_FILE).unlink(), "doc_starts.bin is missing"),
     "meta_of_another_cache": (lambda f: edit_meta(f, lambda t: _resealed(t, key="jsonl-v2-other")),
                               "its meta.json belongs to the cache jsonl-v2-other"),
 }
