@@ -71,6 +71,10 @@ class Training:
     # Tokenized cache of a local dataset (built once per dataset and tokenizer, then memory-mapped);
     # empty = <dump_folder>/dataset_cache. Point runs that share a dataset at one folder.
     dataset_cache_dir: str = ""
+    # Checks of that cache each time a run opens it: "quick" (sizes, counts, document starts, token id range and a
+    # sampled sha256; well under a second) or "full" (also the sha256 of every token, ~1.5 s a GB). A cache is
+    # checked in full right after it is built.
+    dataset_cache_verify: Literal["quick", "full"] = "quick"
     aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
     # Cross entropy this many tokens at a time (per rank), never holding the whole (tokens x vocab) logits;
     # 0 = all at once. Peak per chunk token ~2 bytes x vocab on CUDA (bf16 logits, their gradient written in place:

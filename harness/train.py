@@ -4,8 +4,10 @@ by harness/launch.py, which run_train.sh wraps, or by torchrun directly); withou
 
 Exit codes: 0 done, or stopped by SIGTERM (after saving a checkpoint when checkpointing is on); 2 bad input
 (one `error:` line, printed before any process group or output file exists; or a checkpoint that cannot be
-resumed, or a machine that cannot run the kernels); 3 diverged (NaN / inf loss; nothing saved for that step);
-130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice). Under a launcher that sets
+resumed, or a machine that cannot run the kernels, or bad data met while training); 3 diverged (NaN / inf loss;
+nothing saved for that step); 130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice);
+143 stopped by SIGTERM while starting, before the first step (one line; nothing to save yet, and a dataset cache
+being built leaves no temporary folder). Under a launcher that sets
 QWEN35_EXIT_DIR, a rank that stops for one of these reasons writes its code there, so the launcher can exit
 with it instead of torchrun's generic 1.
 """
@@ -15,13 +17,25 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 
 from .config import ConfigError, load_config, validate_parallelism, with_default_config
 from .preflight import check_run_requirements
 
-BAD_INPUT, DIVERGED, INTERRUPTED = 2, 3, 130
+BAD_INPUT, DIVERGED, INTERRUPTED, TERMINATED_STARTING = 2, 3, 130, 143  # 143: 128 + SIGTERM, as the shell reports
 STARTING = "interrupted while starting; nothing saved"
+TERMINATED_WHILE_STARTING = "stopped on SIGTERM while starting; nothing saved"
+
+
+class Terminated(BaseException):
+    """SIGTERM before the trainer's own handler is in place. A BaseException, like KeyboardInterrupt: it unwinds
+    start-up (the `finally` of a dataset cache build removes its temporary folder) past every `except Exception`."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(config_help(argv))
         return 0
+    if threading.current_thread() is threading.main_thread():  # until trainer.stop.install() replaces it
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         cfg = load_config(argv)
         validate_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -53,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer import Trainer, TrainingDivergedError
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, STARTING)
+    except Terminated:
+        return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
 
     try:
         trainer = Trainer(cfg)
@@ -60,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(BAD_INPUT, err)
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, STARTING)
+    except Terminated:
+        return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
     trainer.stop.install()
     try:
         trainer.train()
@@ -68,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.print_summary()
     except TrainingDivergedError as err:
         return _fail(DIVERGED, err)
+    except DataError as err:  # a damaged row of the cache, a bad row of a stream
+        return _fail(BAD_INPUT, err)
     except TrainingStopped as stopped:
         return _stop(0 if stopped.reason == TERMINATED else INTERRUPTED, str(stopped))
     except KeyboardInterrupt:  # a second Ctrl-C: no save
@@ -103,6 +125,8 @@ if __name__ == "__main__":
         code = main()
     except KeyboardInterrupt:  # before the handlers above are in place (reading the config)
         code = _stop(INTERRUPTED, STARTING)
+    except Terminated:
+        code = _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
     # Collect the finished trainer, and with it its process groups, while the interpreter is whole: a gloo worker
     # thread still dropping its last collective once finalization has begun takes the GIL, is killed by Python,
     # and aborts the process ("terminate called without an active exception", exit -6), at random under CPU load.

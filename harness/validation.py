@@ -30,7 +30,7 @@ class Validator:
         self.device, self.model_inputs = device, model_inputs
         self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
                                        t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                       cache_dir=cache_dir, infinite=False)
+                                       cache_dir=cache_dir, infinite=False, cache_verify=t.dataset_cache_verify)
         self.start = self.loader.state_dict()  # every validation rewinds to here: the same rows each time
 
     @torch.no_grad()

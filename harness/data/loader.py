@@ -27,7 +27,10 @@ it cannot fill, on every rank alike.
 Resume: `state_dict()` is the number of global rows consumed plus seq_len and the ids of the tokenizer and of
 the token stream (plain ints and strings, the same on every DP rank). `load_state_dict` continues exactly,
 also at another data-parallel degree or batch size, and also from a copy of the dataset at another path; a
-state from another tokenizer, token stream or seq_len is a ValueError naming the difference.
+state from another tokenizer, token stream or seq_len, or one that is not a state of this kind of loader, is a
+DataError naming the difference (bad input: exit 2), never a crash or a silent restart at another position.
+Every row read is checked against the tokenizer's vocabulary and the document starts against the row (cheap, and
+a guard behind the cache's own checks, harness/data/token_cache.py): no id outside the embedding reaches the model.
 
 Hugging Face streams (hf) have no cache: each DP rank reads its shard (datasets.distributed.
 split_dataset_by_node) and packs it on its own, as far as the prefetch queue allows ahead of the training step,
@@ -52,8 +55,9 @@ import numpy as np
 import torch
 
 from . import token_cache
-from .sources import SOURCE_SUFFIXES, check_source, hf_documents, read_unit, source_files, source_units
-from .token_cache import TokenCache
+from .errors import DataError
+from .sources import SOURCE_SUFFIXES, Skipped, check_source, hf_documents, read_unit, source_files, source_units
+from .token_cache import TokenCache, Verify
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,6 @@ PREFETCH_BATCHES = 4  # hf: batches packed ahead of the training step
 _END = object()  # end of a pass over the documents
 
 
-
 def _source_identity(kind: str, files: list[Path], text_field: str) -> dict:
     """What the cache key hashes: any change of file, size or mtime gives a new cache."""
     stats = [(f.resolve(), f.stat()) for f in files]
@@ -71,8 +74,10 @@ def _source_identity(kind: str, files: list[Path], text_field: str) -> dict:
             "files": [{"path": str(p), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns} for p, s in stats]}
 
 
-def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir: str | Path) -> TokenCache:
-    """The token cache of a local source, built first if absent (collective: see harness/data/token_cache.py)."""
+def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir: str | Path,
+                     verify: Verify = "quick") -> TokenCache:
+    """The token cache of a local source, built first if absent, then checked (collective: see
+    harness/data/token_cache.py)."""
     def list_units():
         files = source_files(Path(path), SOURCE_SUFFIXES[kind])
         return _source_identity(kind, files, text_field), source_units(kind, files, UNIT_BYTES)
@@ -80,8 +85,7 @@ def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir
     # A rank that cannot list the files (a path missing on one node) fails every rank instead of hanging them.
     source, units = token_cache.on_every_rank(list_units, f"listing the {kind} files of {path}")
     read = functools.partial(read_unit, kind, text_field=text_field)
-    return token_cache.load_or_build(cache_dir, source, units, read, tokenizer)
-
+    return token_cache.load_or_build(cache_dir, source, units, read, tokenizer, verify)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,10 +106,6 @@ def packed_row(window: torch.Tensor, starts: torch.Tensor) -> dict[str, torch.Te
 
 def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-
-
-class DataError(ValueError):
-    """The dataset cannot feed the run as configured (e.g. fewer tokens than one row): bad input, exit 2."""
 
 
 def _check_shape_args(seq_len: int, batch_size: int, dp_rank: int, dp_world_size: int) -> None:
@@ -149,11 +149,25 @@ class TokenCacheLoader:
 
     def _row(self, k: int) -> dict[str, torch.Tensor]:
         L, lo = self.seq_len, k * self.seq_len
-        window = torch.from_numpy(self.cache.tokens[lo: lo + L + 1].astype(np.int64))
+        window = self.cache.tokens[lo: lo + L + 1].astype(np.int64)
         first, last = np.searchsorted(self.cache.doc_starts, [lo, lo + L + 1])
+        offsets = self.cache.doc_starts[first:last] - lo
+        # The cache was checked when opened, its tokens by sample unless verified in full: a row outside the
+        # sample, or a file changed since, is caught here, before an id indexes past the embedding.
+        if window.max() >= self.cache.vocab_size:
+            raise self._damaged(k, f"holds token id {int(window.max())}, outside the tokenizer's vocabulary of "
+                                   f"{self.cache.vocab_size}")
+        if offsets.size and not 0 <= offsets.min() <= offsets.max() <= L:
+            raise self._damaged(k, f"has document starts {offsets.min() + lo}..{offsets.max() + lo} outside it")
         starts = torch.zeros(L + 1, dtype=torch.bool)
-        starts[torch.from_numpy(self.cache.doc_starts[first:last] - lo)] = True
-        return packed_row(window, starts)
+        starts[torch.from_numpy(offsets)] = True
+        return packed_row(torch.from_numpy(window), starts)
+
+    def _damaged(self, k: int, what: str) -> DataError:
+        lo = k * self.seq_len
+        return DataError(f"dataset cache {self.cache.folder} is damaged: row {k} (tokens {lo}..{lo + self.seq_len}) "
+                         f"{what}. Delete the folder (rm -r {self.cache.folder}) and the next run rebuilds it from "
+                         f"the dataset")
 
     def _log_new_epoch(self, epoch: int) -> None:
         if epoch > self._epoch_logged:
@@ -168,21 +182,32 @@ class TokenCacheLoader:
                 "stream_id": self.cache.stream_id}
 
     def load_state_dict(self, sd: dict) -> None:
-        if "next_row" not in sd:
-            raise ValueError("data loader state has no 'next_row': it was saved by a loader of a streamed (hf) "
-                             "dataset or by an older version, and cannot resume a local dataset")
+        if not isinstance(sd, dict) or "next_row" not in sd:
+            raise DataError("the saved data loader state has no 'next_row': it was saved by a loader of a streamed "
+                            "(hf) dataset or by an older version, and cannot resume the local dataset of this run")
+        _check_state_keys(sd, {"next_row": int, "seq_len": int, "tokenizer_id": str, "stream_id": str})
         if sd["seq_len"] != self.seq_len:
-            raise ValueError(f"data loader state was saved with seq_len {sd['seq_len']}, this run has seq_len "
-                             f"{self.seq_len}: rows would not line up; resume with the same training.seq_len")
+            raise DataError(f"the saved data position is in rows of seq_len {sd['seq_len']}, this run has seq_len "
+                            f"{self.seq_len}: rows would not line up; resume with the same training.seq_len")
         if sd["tokenizer_id"] != self.cache.tokenizer_id:
-            raise ValueError(f"data loader state was saved with another tokenizer (id {sd['tokenizer_id']}, this "
-                             f"run {self.cache.tokenizer_id}, see {self.cache.folder}/meta.json)")
+            raise DataError(f"the saved data position is in tokens of another tokenizer (id {sd['tokenizer_id']}, "
+                            f"this run {self.cache.tokenizer_id}, see {self.cache.folder}/meta.json); resume with "
+                            f"the same model.tokenizer_path")
         if sd["stream_id"] != self.cache.stream_id:
-            raise ValueError(f"data loader state was saved for another dataset (token stream {sd['stream_id']}, "
-                             f"this run {self.cache.stream_id} from {self.cache.folder}): were files added or "
-                             f"changed?")
-        self.next_row = int(sd["next_row"])
+            raise DataError(f"the saved data position is in another dataset (token stream {sd['stream_id']}, this "
+                            f"run {self.cache.stream_id} from {self.cache.folder}): were files added or changed? "
+                            f"Resume with the same dataset, or start in another job.dump_folder")
+        if sd["next_row"] < 0:
+            raise DataError(f"the saved data position (next_row {sd['next_row']}) is negative")
+        self.next_row = sd["next_row"]
         self._epoch_logged = max(self.next_row - 1, 0) // self.num_rows
+
+
+def _check_state_keys(sd: dict, types: dict[str, type]) -> None:
+    for key, kind in types.items():
+        if not isinstance(sd.get(key), kind) or isinstance(sd.get(key), bool):
+            raise DataError(f"the saved data loader state has {key}={sd.get(key)!r} where a {kind.__name__} belongs: "
+                            f"it was saved by another version or is damaged")
 
 
 class StreamPacker:
@@ -203,7 +228,8 @@ class StreamPacker:
         self.doc_index = 0  # documents of this rank read in this epoch
         self._tokens: list[int] = []  # stream not yet emitted; _tokens[0] is the next row's first input
         self._starts: list[bool] = []  # per token of _tokens: does a document start there?
-        self._docs: Iterator[str] | None = None  # this rank's documents from doc_index on; None = reopen
+        self._docs: Iterator[str | Skipped] | None = None  # this rank's documents from doc_index on; None = reopen
+        self.skipped = 0  # rows without text (null) left out by this packer; reported at 1, 10, 100, ...
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         return _stack([self._next_row() for _ in range(self.batch_size)])  # StopIteration ends a finite packer
@@ -217,14 +243,20 @@ class StreamPacker:
         del self._tokens[:L], self._starts[:L]  # keep the window's last token: it is the next row's first input
         return packed_row(window, starts)
 
-    def _append_document(self, text: str) -> None:
+    def _append_document(self, text: str | Skipped) -> None:
+        if isinstance(text, Skipped):
+            self.skipped += 1
+            if self.skipped in (1, 10, 100) or self.skipped % 1000 == 0:
+                logger.warning(f"data: dp rank {self.dp_rank} left out {self.skipped} rows with a null text field so "
+                               f"far (the latest: {text.locate()})")
+            return
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
         ids = ([bos] if bos is not None else []) + self.tokenizer.encode(text) + ([eos] if eos is not None else [])
         if ids:  # an empty document without specials leaves no trace in the stream
             self._tokens += ids
             self._starts += [True] + [False] * (len(ids) - 1)
 
-    def _next_document(self) -> str:
+    def _next_document(self) -> str | Skipped:
         while True:
             if self._docs is None:  # skip without tokenising: resume costs one read of the skipped documents
                 self._docs = itertools.islice(iter(self.documents()), self.doc_index, None)
@@ -233,8 +265,8 @@ class StreamPacker:
                 self.doc_index += 1
                 return doc
             if self.doc_index == 0:
-                raise ValueError(f"data-parallel rank {self.dp_rank} of {self.dp_world_size} got no documents: "
-                                 f"the dataset has fewer documents (or shards) than data-parallel ranks")
+                raise DataError(f"data-parallel rank {self.dp_rank} of {self.dp_world_size} got no documents: "
+                                f"the dataset has fewer documents (or shards) than data-parallel ranks")
             if not self.infinite:
                 raise StopIteration
             self.epoch, self.doc_index, self._docs = self.epoch + 1, 0, None
@@ -248,16 +280,18 @@ class StreamPacker:
                 "doc_starts": [i for i, s in enumerate(self._starts) if s]}
 
     def load_state_dict(self, sd: dict) -> None:
-        if "doc_index" not in sd:
-            raise ValueError("data loader state has no 'doc_index': it was saved by a loader of a local (cached) "
-                             "dataset and cannot resume a streamed (hf) one")
+        if not isinstance(sd, dict) or "doc_index" not in sd:
+            raise DataError("the saved data loader state has no 'doc_index': it was saved by a loader of a local "
+                            "(cached) dataset and cannot resume the streamed (hf) dataset of this run")
+        _check_state_keys(sd, {"epoch": int, "doc_index": int, "dp_rank": int, "dp_world_size": int, "seq_len": int,
+                               "tokens": list, "doc_starts": list})
         if (sd["dp_rank"], sd["dp_world_size"]) != (self.dp_rank, self.dp_world_size):
-            raise ValueError(f"data loader state of dp rank {sd['dp_rank']} of {sd['dp_world_size']} cannot "
-                             f"resume dp rank {self.dp_rank} of {self.dp_world_size}: streamed (hf) datasets are "
-                             f"sharded by rank, so resume with the same data-parallel degree")
+            raise DataError(f"the saved data position of dp rank {sd['dp_rank']} of {sd['dp_world_size']} cannot "
+                            f"resume dp rank {self.dp_rank} of {self.dp_world_size}: streamed (hf) datasets are "
+                            f"sharded by rank, so resume with the same data-parallel degree")
         if sd["seq_len"] != self.seq_len:
-            raise ValueError(f"data loader state was saved with seq_len {sd['seq_len']}, this run has seq_len "
-                             f"{self.seq_len}; resume with the same training.seq_len")
+            raise DataError(f"the saved data position was saved with seq_len {sd['seq_len']}, this run has seq_len "
+                            f"{self.seq_len}; resume with the same training.seq_len")
         self.epoch, self.doc_index = sd["epoch"], sd["doc_index"]
         self._tokens = list(sd["tokens"])
         self._starts = [False] * len(self._tokens)
@@ -354,11 +388,12 @@ def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
 
 def build_dataloader(kind: str, path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
                      dp_rank: int = 0, dp_world_size: int = 1, cache_dir: str | Path | None = None,
-                     infinite: bool = True) -> TokenCacheLoader | PrefetchingLoader:
+                     infinite: bool = True, cache_verify: Verify = "quick") -> TokenCacheLoader | PrefetchingLoader:
     """The trainer's entry point; collective over the whole world when torch.distributed is initialized.
 
-    Local kinds need `cache_dir` (the trainer passes training.dataset_cache_dir) and give a TokenCacheLoader;
-    "hf" ignores it and gives a PrefetchingLoader over this DP rank's shard."""
+    Local kinds need `cache_dir` (the trainer passes training.dataset_cache_dir) and give a TokenCacheLoader over
+    the cache, checked as `cache_verify` says (training.dataset_cache_verify); "hf" ignores both and gives a
+    PrefetchingLoader over this DP rank's shard. Bad data is a DataError (see harness/data/sources.py)."""
     check_source(kind, path)  # fail at build time, not at the first batch
     _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
     if kind == "hf":
@@ -368,5 +403,5 @@ def build_dataloader(kind: str, path: str, text_field: str, tokenizer, seq_len: 
     if cache_dir is None:
         raise ValueError(f"a cache_dir is needed for the local {kind} dataset {path}: it is tokenized once into "
                          f"that folder (the trainer passes training.dataset_cache_dir)")
-    cache = load_token_cache(kind, path, text_field, tokenizer, cache_dir)
+    cache = load_token_cache(kind, path, text_field, tokenizer, cache_dir, cache_verify)
     return TokenCacheLoader(cache, seq_len, batch_size, dp_rank, dp_world_size, infinite)

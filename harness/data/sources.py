@@ -10,27 +10,45 @@ Kinds:
   jsonl    a .jsonl file or a folder of them; each non-empty line is a JSON object holding `text_field`
   parquet  a .parquet file or a folder of them; the `text_field` column (needs pyarrow)
   hf       a Hugging Face `datasets` name, streamed from split "train" (needs datasets and hub access)
-Errors name the file and line at fault. Packing the documents into rows is harness/data/loader.py's job.
+Bad input is a DataError naming the file and line (or byte offset, row, field) at fault: a line that is not JSON,
+bytes that are not UTF-8, a NUL byte (a binary file), a row without the text field or with a non-string one, a
+parquet file that parquet cannot read, a folder without files of the kind. A corrupted file is named, never
+trained on. The one row that is left out instead is a row whose text is null (JSON null, a parquet null): the
+reader yields `Skipped` for it, which the cache build and the stream packer count and report in one line.
+Packing the documents into rows is harness/data/loader.py's job.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import json
+from collections import Counter
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
+
+from .errors import DataError
 
 SOURCE_SUFFIXES = {"text": ".txt", "jsonl": ".jsonl", "parquet": ".parquet"}
 SOURCE_KINDS = (*SOURCE_SUFFIXES, "hf")
+_BINARY_HINT = "; is it a binary or compressed file? Datasets are read as plain UTF-8 text"
+
+
+class Skipped(NamedTuple):
+    """A row whose text is null: left out of the token stream, counted. `locate()` says where (file:line, row);
+    it is called for the first skipped row only, as finding a line number reads the file up to it."""
+
+    locate: Callable[[], str]
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Document sources
 
 
-def open_documents(kind: str, path: str, text_field: str = "text") -> Iterator[str]:
-    """An iterator over the documents of one source (one full pass); errors about the path are raised here,
-    not at the first `next`."""
+def open_documents(kind: str, path: str, text_field: str = "text") -> Iterator[str | Skipped]:
+    """An iterator over the documents of one source (one full pass), Skipped for rows whose text is null; errors
+    about the path are raised here, not at the first `next`."""
     check_source(kind, path)
     if kind == "hf":
         return hf_documents(path, text_field)
@@ -40,19 +58,26 @@ def open_documents(kind: str, path: str, text_field: str = "text") -> Iterator[s
 
 def check_source(kind: str, path: str) -> None:
     if kind not in SOURCE_KINDS:
-        raise ValueError(f"unknown dataset kind {kind!r}; expected one of {', '.join(SOURCE_KINDS)}")
+        raise DataError(f"unknown dataset kind {kind!r}; expected one of {', '.join(SOURCE_KINDS)}")
     if not path:  # Path("") is the working directory: never read it by accident
-        raise ValueError(f"empty dataset path for dataset kind {kind!r}")
+        raise DataError(f"empty dataset path for dataset kind {kind!r}")
     if kind != "hf" and not Path(path).exists():
-        raise FileNotFoundError(f"dataset path not found: {path} (a {kind} file or a folder of them)")
+        raise DataError(f"dataset path not found: {path} (a {kind} file or a folder of them)")
 
 
 def source_files(path: Path, suffix: str) -> list[Path]:
     if path.is_file():
         return [path]
+    if not path.is_dir():
+        raise DataError(f"dataset path {path} is neither a file nor a folder")
     files = sorted(f for f in path.rglob(f"*{suffix}") if f.is_file())  # sorted: same order on every rank
     if not files:
-        raise FileNotFoundError(f"no *{suffix} files under {path}")
+        kind = next(k for k, v in SOURCE_SUFFIXES.items() if v == suffix)
+        others = Counter(f.suffix or f.name for f in path.rglob("*") if f.is_file())
+        found = ", ".join(f"{n} {name}" for name, n in others.most_common(4)) or "no files at all"
+        raise DataError(f"dataset folder {path} holds no *{suffix} files, which a {kind} dataset reads (recursively); "
+                        f"it holds {found}. Set the dataset kind to that of its files, or dataset_path to a folder "
+                        f"of {suffix} files")
     return files
 
 
@@ -80,9 +105,12 @@ def source_units(kind: str, files: list[Path], unit_bytes: int | None = None) ->
     return units
 
 
-def read_unit(kind: str, unit: WorkUnit, text_field: str = "text") -> Iterator[str]:
+def read_unit(kind: str, unit: WorkUnit, text_field: str = "text") -> Iterator[str | Skipped]:
     readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
-    return readers[kind](unit, text_field)
+    try:
+        yield from readers[kind](unit, text_field)
+    except OSError as e:  # unreadable (permissions, an I/O error): bad input too, named
+        raise DataError(f"{unit.file}: cannot be read ({e.strerror or e})") from None
 
 
 def _text_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
@@ -112,7 +140,7 @@ def _text_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
             yield "".join(lines).rstrip("\n")
 
 
-def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
+def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]:
     with open(unit.file, "rb") as f:
         for offset, raw in _lines_from(f, _first_line_start(f, unit.start)):
             if offset >= unit.stop:
@@ -121,26 +149,69 @@ def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
                 if _is_blank(line):
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.rstrip("\n"))  # a line cut inside a string: "unterminated", not "\n"
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{_where(unit.file, offset, i)}: not a JSON object ({e.msg})") from None
-                if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                    raise ValueError(f"{_where(unit.file, offset, i)}: no string field {text_field!r}; is the text "
-                                     f"field of this dataset named differently?")
-                yield row[text_field]
+                    raise DataError(f"{_where(unit.file, offset, i)}: not a JSON object ({e.msg.removesuffix(' at')} "
+                                    f"at column {e.pos + 1}): a damaged or cut-off line?") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{_where(unit.file, offset, i)}: a JSON {_json_type(row)}, not an object "
+                                    f"holding the text field {text_field!r}")
+                text = row.get(text_field)
+                if text is None and text_field in row:  # an explicit null: a row without text, not a damaged one
+                    yield Skipped(functools.partial(_where, unit.file, offset, i))
+                elif not isinstance(text, str):
+                    raise DataError(f"{_where(unit.file, offset, i)}: " + _field_problem(row, text_field))
+                else:
+                    yield text
 
 
-def _parquet_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
+def _json_type(value) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), "null")
+
+
+def _field_problem(row: dict, text_field: str) -> str:
+    if text_field in row:
+        return f"field {text_field!r} is a JSON {_json_type(row[text_field])}, not a string"
+    keys = ", ".join(repr(k) for k in list(row)[:8]) + (", ..." if len(row) > 8 else "")
+    return (f"no field {text_field!r} (the row has {keys or 'no fields'}); set dataset_text_field to the field that "
+            f"holds the text")
+
+
+def _parquet_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]:
+    pa = _import_optional("pyarrow", "pyarrow")
     pf = _parquet_file(unit.file)
-    if text_field not in pf.schema_arrow.names:
-        raise ValueError(f"{unit.file}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)})")
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise DataError(f"{unit.file}: no column {text_field!r} (columns: {', '.join(schema.names)}); set "
+                        f"dataset_text_field to the column that holds the text")
+    column_type = schema.field(text_field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)
+            or getattr(pa.types, "is_string_view", lambda t: False)(column_type)):
+        raise DataError(f"{unit.file}: column {text_field!r} holds {column_type}, not strings")
+    first_row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))  # for naming a skipped row
     row_groups = list(range(unit.start, unit.stop))
-    for batch in pf.iter_batches(batch_size=1024, row_groups=row_groups, columns=[text_field]):  # bounded memory
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)  # skip null rows
+    try:
+        batches = pf.iter_batches(batch_size=1024, row_groups=row_groups, columns=[text_field])  # bounded memory
+        for batch in batches:
+            for text in batch.column(0).to_pylist():
+                yield text if text is not None else Skipped(functools.partial(_row_where, unit.file, first_row))
+                first_row += 1
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{unit.file}: row groups {unit.start}-{unit.stop - 1} cannot be read ({e}); a damaged "
+                        f"parquet file?") from None
+
+
+def _row_where(file: Path, row: int) -> str:
+    return f"{file}: row {row}"
 
 
 def _parquet_file(file: Path):
-    return _import_optional("pyarrow.parquet", "pyarrow").ParquetFile(file)
+    pa = _import_optional("pyarrow", "pyarrow")
+    try:
+        return _import_optional("pyarrow.parquet", "pyarrow").ParquetFile(file)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{file}: not a readable parquet file ({e})") from None
 
 
 # Text and jsonl files are read in binary, so that a unit can seek to its byte range, and decoded line by line
@@ -181,9 +252,14 @@ def _lines_from(f, offset: int) -> Iterator[tuple[int, bytes]]:
 
 def _decode(raw: bytes, file: Path, offset: int) -> str:
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{_where(file, offset, 0)}: not UTF-8 text ({e.reason})") from None
+        raise DataError(f"{_where(file, offset, 0)}: not UTF-8 text ({e.reason} at byte {offset + e.start} of the "
+                        f"file){_BINARY_HINT}") from None
+    if "\0" in text:  # valid UTF-8, yet no text file holds NUL: zeroed or binary bytes
+        raise DataError(f"{_where(file, offset, 0)}: a NUL byte at byte {offset + raw.index(0)} of the file"
+                        f"{_BINARY_HINT}")
+    return text
 
 
 def _universal_lines(text: str) -> list[str]:
@@ -228,25 +304,33 @@ def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: in
     try:  # opened here, eagerly, so an unreachable hub fails with the dataset's name
         ds = datasets.load_dataset(name, split="train", streaming=True)
     except Exception as e:
-        raise RuntimeError(f"could not open Hugging Face dataset {name!r} (split 'train', streaming): {e}. "
-                           f"Check the name and hub access, or use a local jsonl/parquet copy.") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"could not open Hugging Face dataset {name!r} (split 'train', streaming): {first}. "
+                        f"Check the name and hub access, or use a local jsonl/parquet copy.") from e
     if dp_world_size > 1:  # whole shards per rank where they divide evenly, else every W-th row: see datasets
         split = _import_optional("datasets.distributed", "datasets").split_dataset_by_node
         ds = split(ds, rank=dp_rank, world_size=dp_world_size)
 
-    def rows() -> Iterator[str]:
+    def rows() -> Iterator[str | Skipped]:
         for i, row in enumerate(ds):
-            if text_field not in row:
-                raise ValueError(f"Hugging Face dataset {name!r} (dp rank {dp_rank} of {dp_world_size}) row {i}: "
-                                 f"no field {text_field!r} (fields: {', '.join(row)})")
-            yield row[text_field]
+            text = row.get(text_field)
+            if isinstance(text, str):
+                yield text
+            elif text is None and text_field in row:
+                yield Skipped(functools.partial(_hf_where, name, dp_rank, dp_world_size, i))
+            else:
+                raise DataError(f"{_hf_where(name, dp_rank, dp_world_size, i)}: " + _field_problem(row, text_field))
 
     return rows()
+
+
+def _hf_where(name: str, dp_rank: int, dp_world_size: int, row: int) -> str:
+    return f"Hugging Face dataset {name!r} (dp rank {dp_rank} of {dp_world_size}) row {row}"
 
 
 def _import_optional(module: str, package: str):
     # Optional: only the source kinds that need these packages import them.
     try:
         return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"this dataset kind needs the '{package}' package: pip install {package}") from e
+    except ImportError:
+        raise DataError(f"this dataset kind needs the '{package}' package: pip install {package}") from None

@@ -5,7 +5,9 @@ Layout of one cache, `<cache_dir>/<key>/`:
                   tokenizer has one), documents in source order; an empty document without specials is left out.
   doc_starts.bin  int64: the offset in tokens.bin of every document's first token, ascending.
   meta.json       written last, human-readable: format version, key, source files (resolved path, size, mtime),
-                  tokenizer, token and document counts, the size of each file, and a digest of the stream.
+                  tokenizer, token and document counts, the size of each file, the stream's id, and what the
+                  checks below compare against: the smallest and largest token id, the sha256 of each file and
+                  of a fixed sample of tokens.bin, the rows left out (null text), and a checksum of meta.json itself.
 
 Key: `<kind>-v<format>-<dataset id>-<tokenizer id>`, ids hashed from the dataset identity (kind, text field,
 resolved files with their sizes and mtimes) and the tokenizer identity (class, sha256 of tokenizer.json for
@@ -18,19 +20,31 @@ W tokenizes units r, r + W, ... into part files of a temporary folder beside the
 every part is there, concatenates them in unit order, writes meta.json last and renames the folder into place.
 So the cache is byte-identical whatever the number of ranks that built it. `cache_dir` must be on a filesystem
 that every rank sees. A failure on any rank (a bad JSON line, say) is raised on every rank, so no rank is left
-waiting at a collective; collectives use the default group only (gloo or NCCL).
+waiting at a collective; collectives use the default group only (gloo or NCCL). A token id outside the
+tokenizer's vocabulary, or a dataset without documents, fails the build.
 
-Atomic: readers only ever open a renamed, complete folder. An interrupted build leaves a `.<key>.tmp-*` folder
-that is never read (delete it at leisure). When two jobs race on a shared filesystem, the first rename wins and
-the other job discards its own build and uses the winner's (they are identical).
-Damaged caches are not rebuilt: a folder without meta.json, or whose files do not have the sizes meta.json
-records (a truncated copy), is an error naming the folder and asking to delete it. Rebuilding in place could
-pull files from under another job that is reading them.
-See docs/design.md, "Packed documents".
+Atomic: readers only ever open a renamed, complete folder. A build that fails or is interrupted (an exception,
+Ctrl-C, SIGTERM once harness/train.py turns it into an exception) removes its `.<key>.tmp-*` folder; only a
+killed one (SIGKILL, power loss) leaves it behind, never read (delete it at leisure). When two jobs race on a
+shared filesystem, the first rename wins and the other job discards its own build and uses the winner's.
+
+Checks, every time a cache is opened, on every rank ("quick", well under a second for a 1 GB cache): meta.json
+parses and matches its checksum, format, key, dtypes; the files have the recorded sizes, which match the token and
+document counts; doc_starts.bin starts at 0, strictly increases, stays below the token count and matches its
+sha256 (it is small: 8 bytes a document); the recorded largest token id and those of the sample are inside the
+tokenizer's vocabulary; the sample (SAMPLE_BLOCKS evenly spread blocks of SAMPLE_BLOCK_TOKENS tokens; the whole
+stream when it is smaller) matches its sha256. "full" hashes all of tokens.bin as well (about 1.5 s a GB): rank 0
+runs it right after a build, and on request (training.dataset_cache_verify = "full"). A quick check misses an
+in-vocabulary change outside the sample; the loader also checks every row it reads against the vocabulary.
+A damaged cache is a DataError naming the folder and what failed, and asking to delete the folder. It is not
+rebuilt automatically: rebuilding in place could pull files from under another job that is reading them, every
+rank would have to agree on it, and a damaged file says something about the storage that its owner should hear.
+See docs/design.md, "Token cache".
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,28 +54,38 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Literal, Sequence, TypeVar
 
 import numpy as np
 
+from .errors import DataError
+from .sources import Skipped
+
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: token range, file digests, sample digest, skipped rows, meta checksum
 TOKENS_FILE, STARTS_FILE, META_FILE = "tokens.bin", "doc_starts.bin", "meta.json"
 TOKEN_DTYPE, START_DTYPE = np.uint32, np.int64
 _FLUSH_TOKENS = 1 << 20  # tokens buffered in Python ints before a part file write: bounded build memory
+_READ_BYTES = 16 << 20  # block of the checks' and the join's reads: bounded memory whatever the cache's size
+# The quick check's sample of tokens.bin: 64 x 256 KiB, 16 MiB read whatever the cache's size (~20 ms from the
+# page cache, where a whole 1 GB file costs 1.7 s to read from disk for a max, 1.5 s more for its sha256).
+SAMPLE_BLOCKS, SAMPLE_BLOCK_TOKENS = 64, 1 << 16
 
+Verify = Literal["quick", "full"]
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class TokenCache:
-    """An opened cache: `tokens` and `doc_starts` are read-only memory maps."""
+    """An opened, checked cache: `tokens` and `doc_starts` are read-only memory maps; every token id is below
+    `vocab_size` (the tokenizer's, which the model's embedding covers)."""
 
     folder: Path
     meta: dict
     tokens: np.ndarray  # (num_tokens,) uint32
     doc_starts: np.ndarray  # (num_documents,) int64
+    vocab_size: int
 
     @property
     def tokenizer_id(self) -> str:
@@ -102,6 +126,16 @@ def _file_sha256(file: Path) -> str:
     return h.hexdigest()
 
 
+def _stream_id(tokens_sha256: str, starts_sha256: str) -> str:
+    # The same id as format 1's, so that a rebuilt cache still resumes the checkpoints of the old one.
+    return hashlib.sha256(bytes.fromhex(tokens_sha256) + bytes.fromhex(starts_sha256)).hexdigest()[:16]
+
+
+def _meta_checksum(meta: dict) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True)
+                          .encode()).hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Collectives (default group; a no-op in one process)
 
@@ -127,19 +161,22 @@ def _all_gather(obj) -> list:
 
 
 def on_every_rank(step: Callable[[], T], what: str) -> T:
-    """Run `step` here, then fail on every rank if it failed on any. Collective: every rank calls it, in the same
-    order. Without it a failing rank would leave the others waiting at the next collective until a timeout."""
+    """Run `step` here, then fail on every rank if it failed on any: a DataError elsewhere is a DataError here
+    too (bad input: exit 2 on every rank). Collective: every rank calls it, in the same order. Without it a failing
+    rank would leave the others waiting at the next collective until a timeout."""
     result, error = None, None
     try:
         result = step()
     except Exception as e:  # not BaseException: Ctrl-C stops this rank as usual
         error = e
-    failures = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
+    failure = None if error is None else (isinstance(error, DataError), f"{type(error).__name__}: {error}")
+    failures = _all_gather(failure)
     if error is not None:
         raise error
     for rank, failure in enumerate(failures):
         if failure is not None:
-            raise RuntimeError(f"{what} failed on rank {rank}: {failure}")
+            is_data_error, message = failure
+            raise (DataError if is_data_error else RuntimeError)(f"{what} failed on rank {rank}: {message}")
     return result
 
 
@@ -147,56 +184,159 @@ def on_every_rank(step: Callable[[], T], what: str) -> T:
 # Open or build
 
 
-def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_unit: Callable[[object], Iterable[str]],
-                  tokenizer) -> TokenCache:
-    """The cache of `source` (a JSON-able dataset identity) under `tokenizer`, built first if absent.
+def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_unit: Callable[[object], Iterable],
+                  tokenizer, verify: Verify = "quick") -> TokenCache:
+    """The cache of `source` (a JSON-able dataset identity) under `tokenizer`, built first if absent, then checked
+    (`verify`: see the module docstring).
 
     `units` are the source's work units in document order; `read_unit(unit)` yields the documents starting in
-    one unit. Collective when torch.distributed is initialized (see the module docstring)."""
+    one unit (str, or Skipped for a row without text). Collective when torch.distributed is initialized (see the
+    module docstring)."""
+    if verify not in ("quick", "full"):
+        raise ValueError(f"dataset cache verify mode {verify!r}: expected 'quick' or 'full'")
     tok_identity = tokenizer_identity(tokenizer)
     key = cache_key(source, _digest(tok_identity))
     keys = _all_gather(key)
     for rank, other in enumerate(keys):
         if other != key:
-            raise ValueError(f"ranks disagree on the dataset cache key ({key} here, {other} on rank {rank}): do all "
-                             f"ranks see the same dataset files (sizes, mtimes) and the same tokenizer?")
+            raise DataError(f"ranks disagree on the dataset cache key ({key} here, {other} on rank {rank}): do all "
+                            f"ranks see the same dataset files (sizes, mtimes) and the same tokenizer?")
     folder = Path(cache_dir) / key
-    if not all(_all_gather(folder.exists())):  # build unless every rank sees it; a lost race keeps the winner's
+    built = not all(_all_gather(folder.exists()))  # build unless every rank sees it; a lost race keeps the winner's
+    if built:
         _build(folder, source, tok_identity, units, read_unit, tokenizer)
-    cache = open_cache(folder)
-    logger.info(f"data: dataset cache {folder}: {len(cache.tokens)} tokens, {len(cache.doc_starts)} documents")
+    rank = rank_and_world()[0]
+    mode = "full" if rank == 0 and (built or verify == "full") else "quick"  # one rank reads every byte
+    started = time.perf_counter()
+    cache = on_every_rank(lambda: open_cache(folder, tokenizer.vocab_size, mode), f"opening dataset cache {folder}")
+    logger.info(f"data: dataset cache {folder}: {len(cache.tokens)} tokens, {len(cache.doc_starts)} documents "
+                f"({mode} check {time.perf_counter() - started:.2f}s)")
+    skipped = cache.meta["skipped_rows"]
+    if skipped["count"] and rank == 0:
+        logger.warning(f"data: {skipped['count']} rows of the dataset have a null text field and were left out "
+                       f"(the first: {skipped['first']})")
     return cache
 
 
-def open_cache(folder: Path) -> TokenCache:
-    """Open a complete cache; a damaged or incomplete one is a ValueError naming the folder."""
+def open_cache(folder: Path, vocab_size: int, verify: Verify = "quick") -> TokenCache:
+    """Open a complete cache and check it (see the module docstring); a missing, damaged or incomplete one is a
+    DataError naming the folder, what failed and what to do."""
+    try:
+        return _open_checked(folder, vocab_size, verify)
+    except OSError as e:  # a file that cannot be read (permissions, an I/O error) fails the check too
+        raise DataError(f"dataset cache {folder} cannot be read ({e}): check its permissions and storage, or delete "
+                        f"the folder and the next run rebuilds it") from None
+
+
+def _open_checked(folder: Path, vocab_size: int, verify: Verify) -> TokenCache:
     meta_path = folder / META_FILE
     if not folder.is_dir():
-        raise FileNotFoundError(f"dataset cache {folder} not found: if another rank built it, the dataset cache "
-                                f"folder must be on a filesystem that every rank sees")
+        raise DataError(f"dataset cache {folder} not found: if another rank built it, the dataset cache folder must "
+                        f"be on a filesystem that every rank sees")
     if not meta_path.is_file():
-        raise ValueError(f"dataset cache {folder} has no {META_FILE}, so it is not a complete cache: delete the "
-                         f"folder and it will be rebuilt")
+        raise _damaged(folder, f"it has no {META_FILE}, so it is not a complete cache")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"dataset cache {folder}: unreadable {META_FILE} ({e}); delete the folder and it will be "
-                         f"rebuilt") from None
+        raise _damaged(folder, f"its {META_FILE} is unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("checksum") != _meta_checksum(meta):
+        raise _damaged(folder, f"its {META_FILE} does not match its checksum (edited or damaged)")
     if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"dataset cache {folder} has format {meta.get('format')}, this code reads format "
-                         f"{FORMAT_VERSION}; delete the folder and it will be rebuilt")
-    for name, size in meta["file_bytes"].items():
-        actual = (folder / name).stat().st_size if (folder / name).is_file() else None
+        raise _damaged(folder, f"it has format {meta.get('format')}, this code reads format {FORMAT_VERSION}")
+    if meta["key"] != folder.name:
+        raise _damaged(folder, f"its {META_FILE} belongs to the cache {meta['key']}")
+    if (meta["token_dtype"], meta["start_dtype"]) != (np.dtype(TOKEN_DTYPE).name, np.dtype(START_DTYPE).name):
+        raise _damaged(folder, f"it records dtypes {meta['token_dtype']}/{meta['start_dtype']}, this code reads "
+                               f"{np.dtype(TOKEN_DTYPE).name}/{np.dtype(START_DTYPE).name}")
+    expected = {TOKENS_FILE: meta["num_tokens"] * np.dtype(TOKEN_DTYPE).itemsize,
+                STARTS_FILE: meta["num_documents"] * np.dtype(START_DTYPE).itemsize}
+    if meta["file_bytes"] != expected or not meta["num_documents"]:  # a build without documents fails
+        raise _damaged(folder, f"its {META_FILE} records {meta['num_tokens']} tokens, {meta['num_documents']} "
+                               f"documents and file sizes {meta['file_bytes']}, which do not fit together")
+    for name, size in expected.items():
+        if not (folder / name).is_file():
+            raise _damaged(folder, f"{name} is missing")
+        actual = (folder / name).stat().st_size
         if actual != size:
-            raise ValueError(f"dataset cache {folder} is damaged: {name} has {actual} bytes where {META_FILE} "
-                             f"records {size} (truncated copy?); delete the folder and it will be rebuilt")
-    return TokenCache(folder, meta, _map(folder / TOKENS_FILE, TOKEN_DTYPE), _map(folder / STARTS_FILE, START_DTYPE))
+            raise _damaged(folder, f"{name} has {actual} bytes where {META_FILE} records {size} (truncated copy?)")
+    if not 0 <= meta["token_min"] <= meta["token_max"] < vocab_size:
+        raise _damaged(folder, f"{META_FILE} records token ids {meta['token_min']}..{meta['token_max']}, outside "
+                               f"the tokenizer's vocabulary of {vocab_size}")
+    tokens, starts = _map(folder / TOKENS_FILE, TOKEN_DTYPE), _map(folder / STARTS_FILE, START_DTYPE)
+    _check_doc_starts(folder, meta, starts)
+    _check_tokens(folder, meta, tokens, vocab_size, verify)
+    if _stream_id(meta["tokens_sha256"], meta["doc_starts_sha256"]) != meta["stream_id"]:
+        raise _damaged(folder, f"its stream id {meta['stream_id']} does not match its files' digests")
+    return TokenCache(folder, meta, tokens, starts, vocab_size)
+
+
+def _damaged(folder: Path, what: str) -> DataError:
+    return DataError(f"dataset cache {folder} is damaged: {what}. Delete the folder (rm -r {folder}) and the next "
+                     f"run rebuilds it from the dataset")
 
 
 def _map(file: Path, dtype) -> np.ndarray:
     if file.stat().st_size == 0:  # mmap refuses empty files
         return np.zeros(0, dtype=dtype)
     return np.memmap(file, dtype=dtype, mode="r")
+
+
+def _check_doc_starts(folder: Path, meta: dict, starts: np.ndarray) -> None:
+    """First 0, strictly increasing (every document holds a token), below the token count, and its sha256."""
+    h, previous, step = hashlib.sha256(), -1, _READ_BYTES // starts.itemsize
+    for lo in range(0, len(starts), step):
+        chunk = np.asarray(starts[lo: lo + step])
+        h.update(chunk.tobytes())
+        bad = np.flatnonzero(np.diff(chunk, prepend=previous) <= 0)
+        if bad.size:
+            i = lo + int(bad[0])
+            raise _damaged(folder, f"{STARTS_FILE} does not increase at document {i} (offset "
+                                   f"{int(starts[i - 1]) if i else 'none'} then {int(starts[i])})")
+        previous = int(chunk[-1])
+    if int(starts[0]) != 0 or previous >= meta["num_tokens"]:
+        raise _damaged(folder, f"{STARTS_FILE} runs from {int(starts[0])} to {previous}, not from 0 to below the "
+                               f"{meta['num_tokens']} tokens")
+    if h.hexdigest() != meta["doc_starts_sha256"]:
+        raise _damaged(folder, f"{STARTS_FILE} does not match its sha256 in {META_FILE}")
+
+
+def _check_tokens(folder: Path, meta: dict, tokens: np.ndarray, vocab_size: int, verify: Verify) -> None:
+    sample = meta["tokens_sample"]
+    digest, low, high = _tokens_digest(tokens, _sample_ranges(len(tokens), sample["blocks"], sample["block_tokens"]))
+    if high >= vocab_size:
+        raise _damaged(folder, f"{TOKENS_FILE} holds token id {high}, outside the tokenizer's vocabulary of "
+                               f"{vocab_size}")
+    if digest != sample["sha256"]:
+        raise _damaged(folder, f"{TOKENS_FILE} does not match the sha256 of its sample in {META_FILE}")
+    if verify == "full":
+        digest, low, high = _tokens_digest(tokens, [(0, len(tokens))])
+        if digest != meta["tokens_sha256"] or (low, high) != (meta["token_min"], meta["token_max"]):
+            raise _damaged(folder, f"{TOKENS_FILE} does not match its sha256 in {META_FILE} (token ids {low}..{high}, "
+                                   f"recorded {meta['token_min']}..{meta['token_max']})")
+
+
+def _sample_ranges(num_tokens: int, blocks: int, block_tokens: int) -> list[tuple[int, int]]:
+    """`blocks` evenly spread token ranges of `block_tokens`, first and last included; the whole stream if it is
+    no larger. They depend on the token count only: the build and every check read the same ones."""
+    if num_tokens <= blocks * block_tokens:
+        return [(0, num_tokens)]
+    span = num_tokens - block_tokens
+    return [(lo, lo + block_tokens) for lo in (i * span // (blocks - 1) for i in range(blocks))]
+
+
+def _tokens_digest(tokens: np.ndarray, ranges: list[tuple[int, int]]) -> tuple[str, int, int]:
+    """sha256 of the tokens in `ranges`, concatenated, and their smallest and largest id."""
+    h, low, high, step = hashlib.sha256(), np.iinfo(np.int64).max, -1, _READ_BYTES // tokens.itemsize
+    for start, stop in ranges:
+        for lo in range(start, stop, step):
+            block = np.asarray(tokens[lo: min(lo + step, stop)])
+            h.update(block.tobytes())
+            low, high = min(low, int(block.min())), max(high, int(block.max()))
+    return h.hexdigest(), low, high
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build
 
 
 def _build(folder: Path, source: dict, tok_identity: dict, units: Sequence, read_unit, tokenizer) -> None:
@@ -209,11 +349,16 @@ def _build(folder: Path, source: dict, tok_identity: dict, units: Sequence, read
         mine = list(range(rank, len(units), world))
         on_every_rank(lambda: _tokenize_units(tmp, units, mine, read_unit, tokenizer), "tokenizing the dataset")
         logger.info(f"data: rank {rank} tokenized {len(mine)} of {len(units)} work units into {tmp}")
-        finish = lambda: _finish(tmp, folder, source, tok_identity, len(units)) if rank == 0 else None
+        def finish():
+            if rank == 0:
+                with _writing(tmp):
+                    _finish(tmp, folder, source, tok_identity, len(units))
+
         on_every_rank(finish, f"writing the dataset cache {folder}")
     finally:
-        if rank == 0:  # every rank is past its writes here (on_every_rank gathers): safe to remove
-            shutil.rmtree(tmp, ignore_errors=True)
+        # Every rank: after a failure every rank is past its writes (on_every_rank gathers), after an interruption
+        # (Ctrl-C, SIGTERM) no collective is safe and each rank cleans up alone. After a publish there is no tmp.
+        shutil.rmtree(tmp, ignore_errors=True)
     logger.info(f"data: built dataset cache {folder} with {world} rank(s) in {time.perf_counter() - started:.1f}s")
 
 
@@ -222,42 +367,80 @@ def _part(tmp: Path, index: int, suffix: str) -> Path:
 
 
 def _tokenize_units(tmp: Path, units: Sequence, indices: list[int], read_unit, tokenizer) -> None:
-    if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
-        raise ValueError(f"tokenizer vocab_size {tokenizer.vocab_size} does not fit the cache's uint32 tokens")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for index in indices:
-        _write_part(tmp, index, read_unit(units[index]), tokenizer)
+    vocab = tokenizer.vocab_size
+    if vocab > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise DataError(f"tokenizer vocab_size {vocab} does not fit the cache's uint32 tokens")
+    for name in ("bos_id", "eos_id"):
+        special = getattr(tokenizer, name)
+        if special is not None and not 0 <= special < vocab:
+            raise DataError(f"the tokenizer's {name} {special} is outside its vocabulary of {vocab} ids")
+    with _writing(tmp):
+        tmp.mkdir(parents=True, exist_ok=True)
+        for index in indices:
+            _write_part(tmp, index, units[index], read_unit(units[index]), tokenizer)
 
 
-def _write_part(tmp: Path, index: int, documents: Iterable[str], tokenizer) -> None:
+@contextlib.contextmanager
+def _writing(tmp: Path):
+    """An OSError while writing the cache (no permission, a full disk) names the folder; the sources' reading
+    errors are DataErrors already."""
+    try:
+        yield
+    except OSError as e:
+        raise DataError(f"cannot write the dataset cache under {tmp.parent} ({e}); set training.dataset_cache_dir "
+                        f"to a writable folder with room for 4 bytes a token") from None
+
+
+def _write_part(tmp: Path, index: int, unit, documents: Iterable, tokenizer) -> None:
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    lengths, pending = [], []
+    lengths, pending, skipped = [], [], {"count": 0, "first": None}
     with open(_part(tmp, index, "tokens"), "wb") as out:
         for text in documents:
+            if isinstance(text, Skipped):
+                skipped["first"] = skipped["first"] or text.locate()
+                skipped["count"] += 1
+                continue
             ids = bos + tokenizer.encode(text) + eos
             if ids:  # an empty document without specials leaves no trace in the stream
                 pending += ids
                 lengths.append(len(ids))
             if len(pending) >= _FLUSH_TOKENS:
-                out.write(np.asarray(pending, dtype=TOKEN_DTYPE).tobytes())
+                out.write(_checked_ids(pending, tokenizer, unit).tobytes())
                 pending.clear()
-        out.write(np.asarray(pending, dtype=TOKEN_DTYPE).tobytes())
+        out.write(_checked_ids(pending, tokenizer, unit).tobytes())
     np.asarray(lengths, dtype=START_DTYPE).tofile(_part(tmp, index, "lengths"))
+    _part(tmp, index, "skipped").write_text(json.dumps(skipped))
+
+
+def _checked_ids(ids: list[int], tokenizer, unit) -> np.ndarray:
+    """The ids as uint32, once each is known to be inside the tokenizer's vocabulary (which the model's embedding
+    covers: harness/preflight.py): an id beyond it would index past the embedding or train a row never decoded."""
+    array = np.asarray(ids, dtype=np.int64)
+    if array.size and not 0 <= array.min() <= array.max() < tokenizer.vocab_size:
+        bad = int(array[(array < 0) | (array >= tokenizer.vocab_size)][0])
+        name = getattr(tokenizer, "path", None) or type(tokenizer).__name__
+        raise DataError(f"the tokenizer ({name}) gave token id {bad} for text of {getattr(unit, 'file', unit)}, "
+                        f"outside its vocabulary of {tokenizer.vocab_size} ids: its vocab_size disagrees with its "
+                        f"ids; fix or replace the tokenizer")
+    return array.astype(TOKEN_DTYPE)
 
 
 def _finish(tmp: Path, folder: Path, source: dict, tok_identity: dict, num_units: int) -> None:
     """Rank 0: stitch the parts in unit order, write meta.json last, rename the folder into place."""
-    missing = [i for i in range(num_units) if not _part(tmp, i, "lengths").is_file()]
+    missing = [i for i in range(num_units) if not _part(tmp, i, "skipped").is_file()]  # written last of a part
     if missing:
-        raise FileNotFoundError(f"rank 0 does not see the part files of work units {missing[:5]} in {tmp}: the "
-                                f"dataset cache folder must be on a filesystem that every rank sees")
-    num_tokens, num_docs = 0, 0
+        raise DataError(f"rank 0 does not see the part files of work units {missing[:5]} in {tmp}: the dataset "
+                        f"cache folder must be on a filesystem that every rank sees")
+    num_tokens, num_docs, low, high = 0, 0, np.iinfo(np.int64).max, -1
+    skipped = {"count": 0, "first": None}
     tokens_hash, starts_hash = hashlib.sha256(), hashlib.sha256()
     with open(tmp / TOKENS_FILE, "wb") as tokens_out, open(tmp / STARTS_FILE, "wb") as starts_out:
         for i in range(num_units):
             with open(_part(tmp, i, "tokens"), "rb") as part:
-                for block in iter(lambda: part.read(16 << 20), b""):
+                for block in iter(lambda: part.read(_READ_BYTES), b""):
+                    ids = np.frombuffer(block, dtype=TOKEN_DTYPE)
+                    low, high = min(low, int(ids.min())), max(high, int(ids.max()))
                     tokens_hash.update(block)
                     tokens_out.write(block)
             lengths = np.fromfile(_part(tmp, i, "lengths"), dtype=START_DTYPE)
@@ -265,25 +448,45 @@ def _finish(tmp: Path, folder: Path, source: dict, tok_identity: dict, num_units
             starts_hash.update(starts.tobytes())
             starts_out.write(starts.tobytes())
             num_tokens, num_docs = num_tokens + int(lengths.sum()), num_docs + len(lengths)
-            _part(tmp, i, "tokens").unlink()
-            _part(tmp, i, "lengths").unlink()
+            part_skipped = json.loads(_part(tmp, i, "skipped").read_text())
+            skipped = {"count": skipped["count"] + part_skipped["count"],
+                       "first": skipped["first"] or part_skipped["first"]}
+            for suffix in ("tokens", "lengths", "skipped"):
+                _part(tmp, i, suffix).unlink()
         for out in (tokens_out, starts_out):
             out.flush()
             os.fsync(out.fileno())  # on disk before meta.json says the cache is complete
+    if num_docs == 0:
+        raise DataError(_no_documents(source, skipped))
+    sample_ranges = _sample_ranges(num_tokens, SAMPLE_BLOCKS, SAMPLE_BLOCK_TOKENS)
     meta = {
         "format": FORMAT_VERSION, "key": folder.name, "source": source, "tokenizer": tok_identity,
         "tokenizer_id": _digest(tok_identity),
-        "stream_id": hashlib.sha256(tokens_hash.digest() + starts_hash.digest()).hexdigest()[:16],
+        "stream_id": _stream_id(tokens_hash.hexdigest(), starts_hash.hexdigest()),
         "num_tokens": num_tokens, "num_documents": num_docs,
         "token_dtype": np.dtype(TOKEN_DTYPE).name, "start_dtype": np.dtype(START_DTYPE).name,
         "file_bytes": {TOKENS_FILE: num_tokens * np.dtype(TOKEN_DTYPE).itemsize,
                        STARTS_FILE: num_docs * np.dtype(START_DTYPE).itemsize},
+        "token_min": low, "token_max": high,
+        "tokens_sha256": tokens_hash.hexdigest(), "doc_starts_sha256": starts_hash.hexdigest(),
+        "tokens_sample": {"blocks": SAMPLE_BLOCKS, "block_tokens": SAMPLE_BLOCK_TOKENS,
+                          "sha256": _tokens_digest(_map(tmp / TOKENS_FILE, TOKEN_DTYPE), sample_ranges)[0]},
+        "skipped_rows": skipped,
     }
+    meta["checksum"] = _meta_checksum(meta)
     with open(tmp / META_FILE, "w", encoding="utf-8") as f:
         f.write(json.dumps(meta, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
     publish(tmp, folder)
+
+
+def _no_documents(source: dict, skipped: dict) -> str:
+    files = source.get("files", [])
+    what = f"{files[0]['path']}" + (f" and {len(files) - 1} more files" if len(files) > 1 else "") if files else "?"
+    why = (f"all its {skipped['count']} rows have a null text field (the first: {skipped['first']})"
+           if skipped["count"] else "its files are empty or hold only blank lines")
+    return f"the {source.get('kind')} dataset {what} holds no documents: {why}; nothing to train on"
 
 
 def publish(tmp: Path, folder: Path) -> None:

@@ -1,4 +1,5 @@
-"""The token cache built by 2 CPU ranks (gloo): shared work, the same bytes as one process, errors on every rank."""
+"""The token cache built by 2 CPU ranks (gloo): shared work, the same bytes as one process, errors on every rank (bad
+data and a damaged cache alike: a DataError, exit 2, on both)."""
 
 import json
 from pathlib import Path
@@ -31,6 +32,8 @@ def write_bad_dataset(folder: Path) -> None:
 GOOD = register(Run("data_ranks/good", 2, WORKER, ("d.jsonl", str(UNIT_BYTES)),
                     lambda folder: write_jsonl(folder / "d.jsonl", DOCS)))
 BAD = register(Run("data_ranks/bad", 2, WORKER, ("bad.jsonl", str(UNIT_BYTES)), write_bad_dataset))
+DAMAGED = register(Run("data_ranks/damaged", 2, "tests.distributed.data_ranks_worker:reopen_damaged", ("d.jsonl",),
+                       lambda folder: write_jsonl(folder / "d.jsonl", DOCS)))
 
 
 def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units(launches, tmp_path, monkeypatch):
@@ -55,11 +58,21 @@ def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units
     assert ranks[0]["rows"] == [want[0], want[2]] and ranks[1]["rows"] == [want[1], want[3]]  # global rows dealt
 
 
-def test_a_bad_line_in_a_unit_of_rank_one_fails_both_ranks_with_its_file_and_line(launches):
+def test_a_bad_line_in_a_unit_of_rank_one_fails_both_ranks_with_a_data_error_naming_file_and_line(launches):
     folder = launches.folder_of(BAD)
     assert not any(folder.glob("rank*.json"))  # neither rank built a loader
     where = f"bad.jsonl:{bad_lines()[1] + 1}: not a JSON object"
-    assert where in (folder / "rank1.error").read_text()
-    assert "failed on rank 1" in (folder / "rank0.error").read_text()
-    assert where in (folder / "rank0.error").read_text()
+    rank0, rank1 = ((folder / f"rank{r}.error").read_text() for r in range(2))
+    assert rank1.startswith("DataError: ") and where in rank1
+    # Rank 0 read its own units fine; it fails with rank 1's DataError, so it too exits 2 with one line.
+    assert rank0.startswith("DataError: tokenizing the dataset failed on rank 1: DataError: ") and where in rank0
     assert [p.name for p in (folder / "cache").iterdir()] == []  # no cache, no temporary folder
+
+
+def test_a_damage_only_rank_zeros_full_check_sees_fails_both_ranks_with_a_data_error(launches):
+    folder = launches.folder_of(DAMAGED)
+    rank0, rank1 = ((folder / f"rank{r}.error").read_text() for r in range(2))
+    damage = "is damaged: tokens.bin does not match its sha256 in meta.json"
+    assert rank0.startswith("DataError: dataset cache ") and damage in rank0
+    assert rank1.startswith("DataError: opening dataset cache ") and "failed on rank 0: DataError: " in rank1
+    assert damage in rank1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.data.loader import IGNORE_INDEX, PrefetchingLoader, StreamPacker, build_dataloader
+from harness.data.loader import IGNORE_INDEX, DataError, PrefetchingLoader, StreamPacker, build_dataloader
 from harness.data.sources import open_documents, read_unit, source_units
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
@@ -149,18 +149,18 @@ def test_parquet_source_yields_the_text_column(tmp_path):
     assert list(open_documents("parquet", str(tmp_path))) == ["alpha", "beta", "gamma"]
 
 
-def test_missing_dataset_path_raises_file_not_found_naming_it(tmp_path):
+def test_missing_dataset_path_is_a_data_error_naming_it(tmp_path):
     missing = tmp_path / "no_such.jsonl"
-    with pytest.raises(FileNotFoundError, match="no_such.jsonl"):
+    with pytest.raises(DataError, match="no_such.jsonl"):
         open_documents("jsonl", str(missing))
-    with pytest.raises(FileNotFoundError, match="no_such.jsonl"):
+    with pytest.raises(DataError, match="no_such.jsonl"):
         build_dataloader("jsonl", str(missing), "text", ByteTokenizer(), 8, 1)
 
 
 def test_jsonl_line_without_text_field_or_bad_json_names_file_and_line(tmp_path):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: .*'text'"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: no field 'text' \(the row has 'body'\)"):
         list(open_documents("jsonl", str(f)))
     f.write_text('{"text": "ok"}\n\n{"text": \n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: not a JSON object"):
@@ -212,7 +212,7 @@ def test_errors_in_later_byte_ranges_still_name_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.jsonl:28: not a JSON object"):
         read_in_units("jsonl", f, 64)
     f.write_text("\n".join(good[:9] + ['{"body": "no text"}'] + good[9:]) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:10: no string field 'text'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:10: no field 'text'"):
         read_in_units("jsonl", f, 50)
     t = tmp_path / "bad.txt"
     t.write_bytes(b"one\n\ntwo\r\nthree\n\nfour\n\xff\n")  # not UTF-8 on line 7

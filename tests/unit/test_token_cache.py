@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import harness.data.loader
-from harness.data.loader import build_dataloader
+from harness.data.loader import DataError, build_dataloader
 from harness.data.sources import source_units
 from harness.data.token_cache import META_FILE, STARTS_FILE, TOKENS_FILE, publish, tokenizer_identity
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -50,7 +50,8 @@ def test_cache_holds_uint32_tokens_int64_document_starts_and_a_readable_meta(tmp
     assert np.fromfile(folder / TOKENS_FILE, dtype=np.uint32).tolist() == tokens
     assert np.fromfile(folder / STARTS_FILE, dtype=np.int64).tolist() == [i for i, s in enumerate(starts) if s]
     meta = json.loads((folder / META_FILE).read_text())
-    assert (meta["format"], meta["num_tokens"], meta["num_documents"]) == (1, len(tokens), 19)
+    assert (meta["format"], meta["num_tokens"], meta["num_documents"]) == (2, len(tokens), 19)
+    assert (meta["token_min"], meta["token_max"]) == (min(tokens), max(tokens))
     assert meta["source"]["files"][0]["path"] == str(source.resolve())
     assert meta["tokenizer"]["class"].endswith("NoSpecialsTokenizer")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [folder.name]  # no temporary folder left
@@ -140,7 +141,7 @@ def test_a_cache_folder_without_meta_json_is_an_error_naming_it(tmp_path):
     source, cache_dir = write_jsonl(tmp_path / "d.jsonl", random_documents(30)), tmp_path / "cache"
     folder = build(source, cache_dir).cache.folder
     (folder / META_FILE).unlink()
-    with pytest.raises(ValueError, match=f"{folder.name} has no meta.json.*delete the folder"):
+    with pytest.raises(DataError, match=f"{folder.name} is damaged: it has no meta.json.*Delete the folder"):
         build(source, cache_dir)
 
 
@@ -149,7 +150,7 @@ def test_a_truncated_token_file_is_an_error_naming_the_folder(tmp_path):
     folder = build(source, cache_dir).cache.folder
     with open(folder / TOKENS_FILE, "r+b") as f:
         f.truncate(f.seek(0, os.SEEK_END) - 4)
-    with pytest.raises(ValueError, match=f"{folder.name} is damaged: tokens.bin has .*delete the folder"):
+    with pytest.raises(DataError, match=f"{folder.name} is damaged: tokens.bin has .*Delete the folder"):
         build(source, cache_dir)
 
 
