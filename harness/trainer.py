@@ -105,7 +105,7 @@ class Trainer:
         cache_dir = t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache")
         self.dataloader = build_dataloader(
             t.dataset, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
-            dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir)
+            dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir, cache_verify=t.dataset_cache_verify)
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
                                     self.model_inputs) if cfg.validation.enable else None)
         self.step, tb_run = 0, None

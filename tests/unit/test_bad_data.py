@@ -336,3 +336,20 @@ def test_sigterm_during_the_cache_build_removes_the_temporary_folder_and_says_so
     assert proc.returncode == 143, stderr
     assert "Traceback" not in stderr and stderr.splitlines()[-1] == "stopped on SIGTERM while starting; nothing saved"
     assert leftovers(cache_dir) == []
+
+
+def test_the_trainer_opens_its_cache_as_training_dataset_cache_verify_says(tmp_path, monkeypatch):
+    from harness.train import main
+
+    modes = []
+    real_open = token_cache.open_cache
+    monkeypatch.setattr(token_cache, "open_cache", lambda folder, vocab, verify: modes.append(verify) or
+                        real_open(folder, vocab, verify))
+    source = write_jsonl(tmp_path / "d.jsonl", random_documents(40))
+    flags = ["--training.dataset_path", str(source), "--training.seq_len", "32", "--training.local_batch_size", "2",
+             "--training.steps", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.export_hf_at_end", "false",
+             "--job.dump_folder", str(tmp_path / "out")]
+    assert main(flags) == 0  # a fresh build: checked in full
+    assert main([*flags, "--training.steps", "2"]) == 0  # resumes nothing (no checkpoints); the cache exists
+    assert main([*flags, "--training.steps", "2", "--training.dataset_cache_verify", "full"]) == 0
+    assert modes == ["full", "quick", "full"]
