@@ -3,8 +3,8 @@ by harness/launch.py, which run_train.sh wraps, or by torchrun directly); withou
 (train_configs/debug_model.toml), as run_train.sh. `--help` lists every key.
 
 Exit codes: 0 done, or stopped by SIGTERM (after saving a checkpoint when checkpointing is on); 2 bad input
-(one `error:` line, printed before any process group or output file exists; or a checkpoint that cannot be
-resumed, or a machine that cannot run the kernels); 3 diverged (NaN / inf loss; nothing saved for that step);
+(one `error:` line naming every problem of the config, printed before any process group or output file exists, by
+rank 0 alone under torchrun; or a checkpoint that cannot be resumed, or a machine that cannot run the kernels); 3 diverged (NaN / inf loss; nothing saved for that step);
 130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice). Under a launcher that sets
 QWEN35_EXIT_DIR, a rank that stops for one of these reasons writes its code there, so the launcher can exit
 with it instead of torchrun's generic 1.
@@ -17,8 +17,8 @@ import logging
 import os
 import sys
 
-from .config import ConfigError, load_config, validate_parallelism, with_default_config
-from .preflight import check_run_requirements
+from .config import ConfigError, with_default_config
+from .preflight import check_launch
 
 BAD_INPUT, DIVERGED, INTERRUPTED = 2, 3, 130
 STARTING = "interrupted while starting; nothing saved"
@@ -32,11 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         print(config_help(argv))
         return 0
     try:
-        cfg = load_config(argv)
-        validate_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        check_run_requirements(cfg)
-    except ConfigError as err:
-        return _fail(BAD_INPUT, err)
+        cfg = check_launch(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as err:  # the same on every rank: rank 0 names it
+        return _fail(BAD_INPUT, err, shared=True)
 
     rank = int(os.environ.get("RANK", "0"))
     name = cfg.job.name.replace("%", "%%")  # the format string below is %-style
@@ -85,8 +83,11 @@ def _stop(code: int, message: str) -> int:
     return code
 
 
-def _fail(code: int, err: Exception) -> int:
-    print(f"error: {err}", file=sys.stderr, flush=True)
+def _fail(code: int, err: Exception, shared: bool = False) -> int:
+    """An error: one `error:` line, from every rank that met it, or from rank 0 alone when all ranks met the same
+    (`shared`: a config every rank read)."""
+    if not shared or int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
     _record_exit(code)
     return code
 
