@@ -4,7 +4,8 @@ by harness/launch.py, which run_train.sh wraps, or by torchrun directly); withou
 
 Exit codes: 0 done, or stopped by SIGTERM (after saving a checkpoint when checkpointing is on); 2 bad input
 (one `error:` line naming every problem of the config, printed before any process group or output file exists, by
-rank 0 alone under torchrun; or a checkpoint that cannot be resumed, or a machine that cannot run the kernels); 3 diverged (NaN / inf loss; nothing saved for that step);
+rank 0 alone under torchrun; a dump folder another run holds (harness/run_lock.py); a checkpoint that cannot be
+resumed, or a machine that cannot run the kernels); 3 diverged (NaN / inf loss; nothing saved for that step);
 130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice). Under a launcher that sets
 QWEN35_EXIT_DIR, a rank that stops for one of these reasons writes its code there, so the launcher can exit
 with it instead of torchrun's generic 1.
@@ -48,16 +49,27 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint.checkpointer import CheckpointError
         from .data.loader import DataError
         from .preemption import TERMINATED, TrainingStopped
+        from .run_lock import RunLockError
         from .trainer import Trainer, TrainingDivergedError
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, STARTING)
 
     try:
         trainer = Trainer(cfg)
+    except RunLockError as err:  # rank 0's verdict, raised on every rank
+        code = _fail(BAD_INPUT, err, shared=True)
     except (FlaKernelsUnavailableError, CheckpointError, DataError) as err:  # the machine, dump folder or data
-        return _fail(BAD_INPUT, err)
+        code = _fail(BAD_INPUT, err)
     except KeyboardInterrupt:
-        return _stop(INTERRUPTED, STARTING)
+        code = _stop(INTERRUPTED, STARTING)
+    else:
+        code = None
+    if code is not None:
+        # The trainer that failed to start may hold the run lock: it is garbage now (only the exception's frames
+        # held it), freed here even if it sits in a reference cycle, so that a caller that launches again in this
+        # process finds the folder free.
+        gc.collect()
+        return code
     trainer.stop.install()
     try:
         trainer.train()
@@ -85,7 +97,7 @@ def _stop(code: int, message: str) -> int:
 
 def _fail(code: int, err: Exception, shared: bool = False) -> int:
     """An error: one `error:` line, from every rank that met it, or from rank 0 alone when all ranks met the same
-    (`shared`: a config every rank read)."""
+    (`shared`: a config every rank read, a verdict rank 0 sent them)."""
     if not shared or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {err}", file=sys.stderr, flush=True)
     _record_exit(code)
