@@ -6,7 +6,9 @@
 Sections and keys follow torchtitan's JobConfig names where an equivalent exists. Each section is a
 plain dataclass; its field comments are the documentation (`--help` prints them). Field types drive parsing:
 `Literal[...]` fields are choices, `float | None` accepts "none", `list[float]` accepts "0.9,0.95" on the CLI.
-Entry points catch `ConfigError` and call `exit_on_config_error(err)` (prints `error: ...`, exits 2).
+Loading names every problem it finds at once (unknown keys, wrong types, bad values), not the first one; entry
+points check a launch through `preflight.check_launch`, which adds the parallel degrees and the paths, and print the
+ConfigError as one `error: ...` line, exit code 2 (`exit_on_config_error`).
 
 Relative paths: the input paths of INPUT_PATH_KEYS written in a config file are relative to that file's folder
 (a config travels with its data); on the command line, and for outputs (job.dump_folder,
@@ -29,7 +31,26 @@ from parallel.parallel_dims import ParallelDims
 
 
 class ConfigError(ValueError):
-    """Bad configuration input; the message names the file or key at fault."""
+    """Bad configuration input: every problem found (`problems`, each naming the file or key at fault), numbered
+    in one message when there are several.
+
+    From `load_config`, also what loaded despite them: `partial`, the config with each rejected value left at its
+    default (None when no config could be read: a missing or malformed file), and `rejected`, the keys whose given
+    values were refused, so that later checks skip what would only report the stand-in default."""
+
+    def __init__(self, problems: str | list[str], partial: "JobConfig | None" = None,
+                 rejected: frozenset[str] = frozenset()):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.partial, self.rejected = partial, rejected
+        super().__init__(describe_problems(self.problems))
+
+
+def describe_problems(problems: list[str]) -> str:
+    """One problem as it is; several numbered (their own texts may hold semicolons)."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"the run cannot start, {len(problems)} problems: " + " ".join(
+        f"({i}) {p}{';' if i < len(problems) else ''}" for i, p in enumerate(problems, 1))
 
 
 @dataclass
@@ -277,17 +298,21 @@ def _coerce(value: Any, hint, from_cli: bool) -> Any:
     raise ValueError(value)
 
 
-def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, source: str) -> None:
+def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, source: str) -> str | None:
+    """Sets the value; returns the problem instead when it does not parse as the key's type."""
     hint = _SCHEMA[section][key]
     try:
         parsed = _coerce(value, hint, from_cli)
     except ValueError:
-        raise ConfigError(f"{source}: {section}.{key} = {value!r} is not {_expected(hint)}") from None
+        return f"{source}: {section}.{key} = {value!r} is not {_expected(hint)}"
     setattr(getattr(cfg, section), key, parsed)
+    return None
 
 
-def _apply_file(cfg: JobConfig, path: str) -> dict[str, str]:
-    """Set the file's values on `cfg`; returns the input paths it set, {key: value}, for `_resolve_file_paths`."""
+def _apply_file(cfg: JobConfig, path: str, problems: list[str], rejected: set[str]) -> dict[str, str]:
+    """Set the file's values on `cfg`, adding what is wrong with them to `problems` (and the keys whose values were
+    refused to `rejected`); returns the input paths it set, {key: value}, for `_resolve_file_paths`. A file that
+    cannot be read or parsed raises: nothing of it can be checked further."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -297,20 +322,27 @@ def _apply_file(cfg: JobConfig, path: str) -> dict[str, str]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None  # tomllib names line and column
+    paths = {}
     for section, table in data.items():
         if not isinstance(table, dict):
             owners = [f"[{s}]" for s, keys in _SCHEMA.items() if section in keys]
             where = f" (it belongs under {' or '.join(owners)})" if owners else ""
-            raise ConfigError(f"{path}: top-level key {section!r} must be inside a [section]{where}")
+            problems.append(f"{path}: top-level key {section!r} must be inside a [section]{where}")
+            continue
         if section not in _SCHEMA:
             hint = _did_you_mean(section, list(_SCHEMA), "[{}]")
-            raise ConfigError(f"{path}: unknown section [{section}]{hint}")
+            problems.append(f"{path}: unknown section [{section}]{hint}")
+            continue
         for key, value in table.items():
             if key not in _SCHEMA[section]:
                 hint = _did_you_mean(f"{section}.{key}", _ALL_KEYS)
-                raise ConfigError(f"{path}: unknown key {section}.{key}{hint}")
-            _set(cfg, section, key, value, from_cli=False, source=path)
-    return {k: _get(cfg, k) for k in INPUT_PATH_KEYS if k.split(".")[1] in data.get(k.split(".")[0], {})}
+                problems.append(f"{path}: unknown key {section}.{key}{hint}")
+            elif (problem := _set(cfg, section, key, value, from_cli=False, source=path)) is not None:
+                problems.append(problem)
+                rejected.add(f"{section}.{key}")
+            elif f"{section}.{key}" in INPUT_PATH_KEYS:
+                paths[f"{section}.{key}"] = value
+    return paths
 
 
 def _get(cfg: JobConfig, key: str) -> Any:
@@ -328,73 +360,90 @@ def _resolve_file_paths(cfg: JobConfig, config_path: str, file_paths: dict[str, 
             setattr(getattr(cfg, section), name, os.path.normpath(os.path.join(folder, value)))
 
 
-def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
-    """(config path, [(section.key, raw value)]) from `--k v` / `--k=v` pairs."""
+def _parse_argv(argv: list[str], problems: list[str],
+                rejected: set[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """(config path, [(section.key, raw value)]) from `--k v` / `--k=v` pairs; what cannot be read goes to
+    `problems` (a key given without a value to `rejected` too)."""
     config_path, overrides, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
+        i += 1
         if not arg.startswith("--"):
-            raise ConfigError(f"command line: unexpected argument {arg!r}; use --section.key value")
+            problems.append(f"command line: unexpected argument {arg!r}; use --section.key value")
+            continue
         name, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"command line: --{name} needs a value (--{name} VALUE or --{name}=VALUE)")
-            value, i = argv[i + 1], i + 1
-        i += 1
+            if i >= len(argv) or argv[i].startswith("--"):
+                problems.append(f"command line: --{name} needs a value (--{name} VALUE or --{name}=VALUE)")
+                rejected.add(name)
+                continue
+            value, i = argv[i], i + 1
         if name == "config":
             config_path = value
         elif name not in _ALL_KEYS:
             hint = _did_you_mean(name, _ALL_KEYS, "--{}")
-            raise ConfigError(f"command line: unknown option --{name}{hint}")
+            problems.append(f"command line: unknown option --{name}{hint}")
         else:
             overrides.append((name, value))
     return config_path, overrides
 
 
-def _check_values(cfg: JobConfig) -> None:
+def _value_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> list[str]:
+    """Values of the right type that no run can use. A check that reads a rejected key is skipped: the default
+    standing in for the refused value would only mislead."""
+    problems = []
+
+    def bad(message: str, *keys: str) -> None:
+        if not rejected.intersection(keys):
+            problems.append(message)
+
     positive = ["training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
                 "checkpoint.interval", "validation.freq"]
     for key in positive:
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) <= 0:
-            raise ConfigError(f"{key} must be positive, got {getattr(getattr(cfg, section), name)}")
+        if _get(cfg, key) <= 0:
+            bad(f"{key} must be positive, got {_get(cfg, key)}", key)
     if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+        bad(f"optimizer.lr must be positive, got {cfg.optimizer.lr}", "optimizer.lr")
     if len(cfg.optimizer.betas) != 2:
-        raise ConfigError(f"optimizer.betas needs two values (beta1, beta2), got {cfg.optimizer.betas}")
+        bad(f"optimizer.betas needs two values (beta1, beta2), got {cfg.optimizer.betas}", "optimizer.betas")
     max_norm = cfg.training.max_norm
     if max_norm is not None and not max_norm > 0:  # `not >` also catches nan
-        raise ConfigError(f"training.max_norm must be positive, or none for no clipping, got {max_norm}")
+        bad(f"training.max_norm must be positive, or none for no clipping, got {max_norm}", "training.max_norm")
     if cfg.lr_scheduler.warmup_steps < 0:
-        raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {cfg.lr_scheduler.warmup_steps}")
+        bad(f"lr_scheduler.warmup_steps must be >= 0, got {cfg.lr_scheduler.warmup_steps}",
+            "lr_scheduler.warmup_steps")
     ratio = cfg.lr_scheduler.decay_ratio
     if ratio is not None and not 0 <= ratio <= 1:
-        raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {ratio}")
-    if ratio is not None:
+        bad(f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {ratio}", "lr_scheduler.decay_ratio")
+    elif ratio is not None:
         steps, warmup = cfg.training.steps, cfg.lr_scheduler.warmup_steps
         decay_start = steps - round(steps * ratio)
         if warmup > decay_start:  # the lr would jump from the warmup ramp into the middle of the decay
-            raise ConfigError(
-                f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
+            bad(f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
                 f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps or "
-                f"decay_ratio")
+                f"decay_ratio", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "training.steps")
     if (cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot) and cfg.profiling.profile_freq < 2:
-        raise ConfigError(f"profiling.profile_freq must be >= 2 (a warm-up step, then the traced one), got "
-                          f"{cfg.profiling.profile_freq}")
+        bad(f"profiling.profile_freq must be >= 2 (a warm-up step, then the traced one), got "
+            f"{cfg.profiling.profile_freq}", "profiling.profile_freq")
     if cfg.training.gc_freq < 0:
-        raise ConfigError(f"training.gc_freq must be >= 0 (0: Python's own schedule), got {cfg.training.gc_freq}")
+        bad(f"training.gc_freq must be >= 0 (0: Python's own schedule), got {cfg.training.gc_freq}",
+            "training.gc_freq")
     if cfg.training.loss_chunk_tokens < 0:
-        raise ConfigError(f"training.loss_chunk_tokens must be >= 0 (0: all tokens at once), got "
-                          f"{cfg.training.loss_chunk_tokens}")
+        bad(f"training.loss_chunk_tokens must be >= 0 (0: all tokens at once), got "
+            f"{cfg.training.loss_chunk_tokens}", "training.loss_chunk_tokens")
     if cfg.checkpoint.keep_latest_k < 0:
-        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}")
+        bad(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}",
+            "checkpoint.keep_latest_k")
     if cfg.checkpoint.load_step < -1:
-        raise ConfigError(f"checkpoint.load_step must be a step or -1 (the latest), got {cfg.checkpoint.load_step}")
+        bad(f"checkpoint.load_step must be a step or -1 (the latest), got {cfg.checkpoint.load_step}",
+            "checkpoint.load_step")
     if cfg.validation.steps == 0 or cfg.validation.steps < -1:
-        raise ConfigError(f"validation.steps must be positive or -1 (the whole set), got {cfg.validation.steps}")
+        bad(f"validation.steps must be positive or -1 (the whole set), got {cfg.validation.steps}",
+            "validation.steps")
     factor = cfg.lr_scheduler.min_lr_factor
     if not 0 <= factor <= 1:
-        raise ConfigError(f"lr_scheduler.min_lr_factor must be in [0, 1], got {factor}")
+        bad(f"lr_scheduler.min_lr_factor must be in [0, 1], got {factor}", "lr_scheduler.min_lr_factor")
+    return problems
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "debug_model.toml"
@@ -408,16 +457,29 @@ def with_default_config(argv: list[str]) -> list[str]:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """Defaults, then the `--config` TOML file, then `--section.key` overrides; validated."""
-    config_path, overrides = _parse_argv(argv)
+    """Defaults, then the `--config` TOML file, then `--section.key` overrides; validated. A ConfigError names
+    every problem found, and carries the config as far as it loaded (`ConfigError.partial`)."""
+    problems: list[str] = []
+    rejected: set[str] = set()
+    config_path, overrides = _parse_argv(argv, problems, rejected)
     cfg = JobConfig()
-    file_paths = _apply_file(cfg, config_path) if config_path is not None else {}
+    try:
+        file_paths = _apply_file(cfg, config_path, problems, rejected) if config_path is not None else {}
+    except ConfigError as unreadable:  # no values to check: what the command line got wrong, and the file
+        raise ConfigError([*problems, *unreadable.problems]) from None
     for name, value in overrides:
         section, key = name.split(".")
-        _set(cfg, section, key, value, from_cli=True, source="command line")
+        problem = _set(cfg, section, key, value, from_cli=True, source="command line")
+        if problem is None:
+            rejected.discard(name)  # the file's refused value is overridden (and still named)
+        else:
+            problems.append(problem)
+            rejected.add(name)
     if config_path is not None:
         _resolve_file_paths(cfg, config_path, file_paths)
-    _check_values(cfg)
+    problems += _value_problems(cfg, frozenset(rejected))
+    if problems:
+        raise ConfigError(problems, partial=cfg, rejected=frozenset(rejected))
     return cfg
 
 
@@ -467,6 +529,8 @@ def validate_parallelism(cfg: JobConfig, world_size: int) -> RunLayout:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     local, gbs = cfg.training.local_batch_size, cfg.training.global_batch_size
+    if local <= 0:
+        raise ConfigError(f"training.local_batch_size must be positive, got {local}")  # as load_config says it
     per_step = local * dims.dp  # rows per micro-step over all data-parallel ranks
     if gbs == -1:
         gbs = per_step

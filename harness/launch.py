@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import ConfigError, load_config, validate_parallelism, with_default_config
-from .preflight import check_run_requirements
+from .config import ConfigError, with_default_config
+from .preflight import check_launch
 from .train import BAD_INPUT, INTERRUPTED, STARTING
 
 def visible_gpus() -> int:
@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     nproc = int(os.environ.get("NGPU") or visible_gpus() or 1)
     nnodes = int(os.environ.get("NNODES", "1"))
     try:
-        cfg = load_config(argv)
-        validate_parallelism(cfg, nproc * nnodes)
-        check_run_requirements(cfg)
+        check_launch(argv, nproc * nnodes)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return BAD_INPUT

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -106,18 +107,34 @@ def max_memory_gib(device: torch.device) -> float:
     return kib / 1024**2
 
 
-def _records_up_to(path: Path, step: int) -> list[str]:
+def _records_up_to(text: str, step: int) -> list[str]:
     """The lines of a metrics.jsonl whose step is at most `step` (an unreadable tail line is dropped)."""
-    if not path.is_file():
-        return []
     kept = []
-    for line in path.read_text().splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
         except (ValueError, KeyError, TypeError):  # a line cut by a kill
             continue
     return kept
+
+
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """Drops the lines of `path` beyond `step` by writing the kept ones to a temporary file renamed over it: at every
+    moment the file holds either all its lines or the kept ones, never fewer (truncating it in place and writing
+    them back would leave it empty, or half written, to a kill in between)."""
+    if not path.is_file():
+        return
+    text = path.read_text()
+    kept = "".join(_records_up_to(text, step))
+    if kept == text:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _duration(seconds: float) -> str:
@@ -132,7 +149,9 @@ class MetricsLogger:
     folder that holds an earlier run's events shows as another run instead of mixing into its curves. A run
     resumed at step k (`resume_step`) continues its own: metrics.jsonl keeps its records up to step k and
     appends, TensorBoard reopens the run's folder (`tb_run`) and drops its events after step k (those of the
-    steps after the checkpoint, which the resumed run computes again).
+    steps after the checkpoint, which the resumed run computes again). A fresh run keeps none of the lines it
+    finds (its steps start again at 1). Each line is written through to the file as it is logged, so a kill loses
+    no logged step; the run lock (harness/run_lock.py) makes this run the file's only writer.
     """
 
     def __init__(self, dump_folder: str | Path, total_steps: int, enable_tensorboard: bool, tb_folder: str,
@@ -151,9 +170,8 @@ class MetricsLogger:
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "metrics.jsonl"
-        kept = _records_up_to(path, resume_step) if resume_step is not None else []
-        self.jsonl = open(path, "w")  # a fresh run starts a fresh file; a resumed one keeps its first steps
-        self.jsonl.writelines(kept)
+        _keep_records_up_to(path, resume_step or 0)  # a fresh run (step 0) keeps no line
+        self.jsonl = open(path, "a")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

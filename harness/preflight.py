@@ -1,6 +1,8 @@
-"""What a run needs, checked before any worker starts: every problem found is named in one ConfigError.
+"""What a launch needs, checked before any worker starts: every problem found is named in one ConfigError.
 
-Paths that must exist (dataset, validation set, tokenizer, HF config and checkpoint), a known model flavor,
+`check_launch` is what the entry points call: the config's keys, types and values (`load_config`), the parallel
+degrees on the launch's world size (`validate_parallelism`) and what the run reads (`check_run_requirements`), all
+collected, none raised at the first. `check_run_requirements` alone: paths that must exist (dataset, validation set, tokenizer, HF config and checkpoint), a known model flavor,
 a tokenizer that fits the model's vocabulary, a context-parallel degree that divides the rows and the Gated
 DeltaNet heads, an expert-parallel degree that divides the experts. Runs without torch
 (the models' args and flavors are plain Python), so a typo fails in well under a second.
@@ -14,26 +16,74 @@ from pathlib import Path
 from models.qwen35_moe.args import Qwen35MoeArgs
 from models.qwen35_moe.flavors import qwen35_moe_flavors
 
-from .config import ConfigError, JobConfig
+from .config import ConfigError, JobConfig, load_config, validate_parallelism
 
 _TO_SET = "set it in the config file or with --{key} PATH"
+# What validate_parallelism reads
+_LAYOUT_KEYS = frozenset({"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                          "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree",
+                          "training.local_batch_size", "training.global_batch_size"})
+
+
+def check_launch(argv: list[str], world_size: int) -> JobConfig:
+    """The config of the launch `argv` on `world_size` ranks, or one ConfigError naming every problem: a typo in one
+    key does not hide a missing dataset, nor an impossible parallel degree the placeholders left to set. Checks that
+    read a value the config refused are skipped (they would judge the default standing in for it)."""
+    try:
+        return _checked(load_config(argv), world_size, [], frozenset())
+    except ConfigError as err:
+        if err.partial is None:  # a config file that cannot be read: nothing further to check
+            raise
+        return _checked(err.partial, world_size, err.problems, err.rejected)
+
+
+def _checked(cfg: JobConfig, world_size: int, problems: list[str], rejected: frozenset[str]) -> JobConfig:
+    problems = list(problems)
+    if not rejected & _LAYOUT_KEYS:
+        try:
+            validate_parallelism(cfg, world_size)
+        except ConfigError as err:
+            problems += [p for p in err.problems if p not in problems]  # a batch size load_config named already
+    problems += run_requirement_problems(cfg, rejected)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def check_run_requirements(cfg: JobConfig) -> None:
-    problems = _dataset_problems(cfg, "training") + _checkpoint_problems(cfg)
-    if cfg.validation.enable:
-        problems += _dataset_problems(cfg, "validation")
-    args, model_problems = _model_args(cfg)
-    problems += model_problems + _tokenizer_problems(cfg, args) + _context_parallel_problems(cfg, args)
-    problems += _expert_parallel_problems(cfg, args)
+    problems = run_requirement_problems(cfg)
     if problems:
-        head = "the run cannot start: " if len(problems) > 1 else ""
-        raise ConfigError(head + "; ".join(problems))
+        raise ConfigError(problems)
+
+
+def run_requirement_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> list[str]:
+    """What is missing or does not fit among what the run reads (paths, flavor, tokenizer, CP and EP degrees
+    against the model); checks reading a key in `rejected` are skipped."""
+    def reads(*keys: str) -> bool:
+        return not rejected.intersection(keys)
+
+    problems = []
+    for section in ("training", "validation") if cfg.validation.enable else ("training",):
+        if reads(f"{section}.dataset", f"{section}.dataset_path"):
+            problems += _dataset_problems(cfg, section)
+    if reads("checkpoint.initial_load_hf"):
+        problems += _checkpoint_problems(cfg)
+    if not reads("model.hf_config", "model.flavor"):
+        return problems
+    args, model_problems = _model_args(cfg)
+    problems += model_problems
+    if reads("model.tokenizer_path"):
+        problems += _tokenizer_problems(cfg, args)
+    if reads("parallelism.context_parallel_degree", "training.seq_len"):
+        problems += _context_parallel_problems(cfg, args)
+    if reads("parallelism.expert_parallel_degree"):
+        problems += _expert_parallel_problems(cfg, args)
+    return problems
 
 
 def _context_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
     cp = cfg.parallelism.context_parallel_degree
-    if cp == 1:
+    if cp <= 1:  # below 1: validate_parallelism names it
         return []
     problems = []
     if cfg.training.seq_len % (2 * cp):
@@ -48,7 +98,7 @@ def _context_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> li
 
 def _expert_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
     ep = cfg.parallelism.expert_parallel_degree
-    if ep == 1 or args is None or args.num_experts % ep == 0:
+    if ep <= 1 or args is None or args.num_experts % ep == 0:
         return []
     return [f"parallelism.expert_parallel_degree = {ep} must divide the number of experts ({args.num_experts}): "
             f"each rank holds an equal share of every MoE layer's experts"]

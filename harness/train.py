@@ -3,8 +3,9 @@ by harness/launch.py, which run_train.sh wraps, or by torchrun directly); withou
 (train_configs/debug_model.toml), as run_train.sh. `--help` lists every key.
 
 Exit codes: 0 done, or stopped by SIGTERM (after saving a checkpoint when checkpointing is on); 2 bad input
-(one `error:` line, printed before any process group or output file exists; or a checkpoint that cannot be
-resumed, or a machine that cannot run the kernels, or bad data met while training); 3 diverged (NaN / inf loss;
+(one `error:` line naming every problem of the config, printed before any process group or output file exists, by
+rank 0 alone under torchrun; a dump folder another run holds (harness/run_lock.py); a checkpoint that cannot be
+resumed, a machine that cannot run the kernels, or bad data met while training); 3 diverged (NaN / inf loss;
 nothing saved for that step); 130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice);
 143 stopped by SIGTERM while starting, before the first step (one line; nothing to save yet, and a dataset cache
 being built leaves no temporary folder). Under a launcher that sets
@@ -21,8 +22,8 @@ import signal
 import sys
 import threading
 
-from .config import ConfigError, load_config, validate_parallelism, with_default_config
-from .preflight import check_run_requirements
+from .config import ConfigError, with_default_config
+from .preflight import check_launch
 
 BAD_INPUT, DIVERGED, INTERRUPTED, TERMINATED_STARTING = 2, 3, 130, 143  # 143: 128 + SIGTERM, as the shell reports
 STARTING = "interrupted while starting; nothing saved"
@@ -48,11 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():  # until trainer.stop.install() replaces it
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        cfg = load_config(argv)
-        validate_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        check_run_requirements(cfg)
-    except ConfigError as err:
-        return _fail(BAD_INPUT, err)
+        cfg = check_launch(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as err:  # the same on every rank: rank 0 names it
+        return _fail(BAD_INPUT, err, shared=True)
 
     rank = int(os.environ.get("RANK", "0"))
     name = cfg.job.name.replace("%", "%%")  # the format string below is %-style
@@ -66,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint.checkpointer import CheckpointError
         from .data.loader import DataError
         from .preemption import TERMINATED, TrainingStopped
+        from .run_lock import RunLockError
         from .trainer import Trainer, TrainingDivergedError
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, STARTING)
@@ -74,12 +74,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = Trainer(cfg)
+    except RunLockError as err:  # rank 0's verdict, raised on every rank
+        code = _fail(BAD_INPUT, err, shared=True)
     except (FlaKernelsUnavailableError, CheckpointError, DataError) as err:  # the machine, dump folder or data
-        return _fail(BAD_INPUT, err)
+        code = _fail(BAD_INPUT, err)
     except KeyboardInterrupt:
-        return _stop(INTERRUPTED, STARTING)
+        code = _stop(INTERRUPTED, STARTING)
     except Terminated:
-        return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
+        code = _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
+    else:
+        code = None
+    if code is not None:
+        # The trainer that failed to start may hold the run lock: it is garbage now (only the exception's frames
+        # held it), freed here even if it sits in a reference cycle, so that a caller that launches again in this
+        # process finds the folder free.
+        gc.collect()
+        return code
     trainer.stop.install()
     try:
         trainer.train()
@@ -107,8 +117,11 @@ def _stop(code: int, message: str) -> int:
     return code
 
 
-def _fail(code: int, err: Exception) -> int:
-    print(f"error: {err}", file=sys.stderr, flush=True)
+def _fail(code: int, err: Exception, shared: bool = False) -> int:
+    """An error: one `error:` line, from every rank that met it, or from rank 0 alone when all ranks met the same
+    (`shared`: a config every rank read, a verdict rank 0 sent them)."""
+    if not shared or int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
     _record_exit(code)
     return code
 

@@ -40,6 +40,7 @@ from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
 from .resume_config import apply_optimizer_settings, other_changes
+from .run_lock import acquire_run_lock
 from .runtime import cpu_process_group, init_process_group, pick_device, set_seed
 from .data.tokenizer import build_tokenizer
 from .validation import Validator
@@ -82,6 +83,8 @@ class Trainer:
         init_process_group(self.device, self.dims.world_size)
         self.meshes = self.dims.build_meshes(self.device.type)  # None: one process, no process group
         self.cpu_group = cpu_process_group()  # for the per-step stop check: no GPU sync
+        # One run per dump folder, locked before anything is written there (harness/run_lock.py)
+        self.run_lock = acquire_run_lock(cfg.job.dump_folder, self.rank, self.cpu_group)
         self.stop = StopRequested()
 
         ckpt = cfg.checkpoint
@@ -379,3 +382,4 @@ class Trainer:
             self.dataloader.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        self.run_lock.release()

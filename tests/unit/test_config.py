@@ -1,6 +1,7 @@
 import pytest
 
-from harness.config import ConfigError, JobConfig, exit_on_config_error, load_config, validate_parallelism
+from harness.config import (ConfigError, JobConfig, exit_on_config_error, load_config, validate_parallelism,
+                            with_default_config)
 
 
 @pytest.fixture
@@ -223,6 +224,68 @@ def test_lr_never_jumps_over_an_accepted_schedule():
         biggest = max(abs(b - a) for a, b in zip(f, f[1:]))
         assert biggest <= max(1 / (min(warmup, steps) + 1), 1 / max(1, round(steps * (ratio or 1)))) + 1e-9, (
             steps, warmup, ratio, biggest)
+
+
+def test_every_problem_of_a_launch_is_named_at_once(tmp_path):
+    """An unknown key, a wrong type and a missing path: one ConfigError numbering all three, not the first alone."""
+    from harness.preflight import check_launch
+
+    with pytest.raises(ConfigError) as e:
+        check_launch(["--training.stesp", "5", "--optimizer.lr", "abc", "--training.dataset_path",
+                      str(tmp_path / "nope")], world_size=1)
+    assert e.value.problems == [
+        "command line: unknown option --training.stesp (did you mean --training.steps?)",
+        "command line: optimizer.lr = 'abc' is not a number",
+        f"training.dataset_path '{tmp_path / 'nope'}' does not exist; set it in the config file or with "
+        f"--training.dataset_path PATH"]
+    assert str(e.value).startswith("the run cannot start, 3 problems: (1) command line: unknown option")
+    assert "(2) command line: optimizer.lr" in str(e.value) and "(3) training.dataset_path" in str(e.value)
+
+
+def test_problems_of_the_file_and_the_command_line_are_named_together(toml_file):
+    path = toml_file('steps = 5\n[trainig]\nx = 1\n[training]\nsteps = "ten"\nsequence = 3\n', name="many.toml")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", path, "stray", "--optimizer.lr", "-1", "--metrics.log_freq"])
+    text = "\n".join(e.value.problems)
+    for expected in ("unexpected argument 'stray'", "--metrics.log_freq needs a value",
+                     "many.toml: top-level key 'steps'", "many.toml: unknown section [trainig]",
+                     "many.toml: training.steps = 'ten' is not an integer", "many.toml: unknown key training.sequence",
+                     "optimizer.lr must be positive, got -1.0"):
+        assert expected in text, expected
+    assert len(e.value.problems) == 7, text
+
+
+def test_a_malformed_file_keeps_its_line_beside_the_command_lines_problems(toml_file):
+    path = toml_file("[training]\nsteps = 5\nseq_len 256\n", name="broken.toml")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", path, "--training.stesp", "3"])
+    assert len(e.value.problems) == 2 and e.value.partial is None  # nothing of the file can be checked further
+    assert "did you mean --training.steps?" in e.value.problems[0]
+    assert "broken.toml: invalid TOML" in e.value.problems[1] and "line 3" in e.value.problems[1]
+
+
+def test_a_refused_value_is_not_judged_again_through_its_default():
+    """training.steps 'q' leaves the default 10 in its place: the warmup-into-decay check (which reads steps) and the
+    batch layout (which reads local_batch_size) would judge values nobody gave, so they are skipped."""
+    from harness.preflight import check_launch
+
+    with pytest.raises(ConfigError) as e:
+        check_launch(with_default_config([
+            "--training.steps", "q", "--lr_scheduler.decay_ratio", "0.9", "--lr_scheduler.warmup_steps", "5",
+            "--training.local_batch_size", "x", "--training.global_batch_size", "3"]), world_size=1)
+    assert e.value.problems == ["command line: training.steps = 'q' is not an integer",
+                                "command line: training.local_batch_size = 'x' is not an integer"]
+
+
+def test_parallel_degrees_and_batch_problems_join_the_values_problems():
+    from harness.preflight import check_launch
+
+    with pytest.raises(ConfigError) as e:
+        check_launch(with_default_config(["--training.steps", "0", "--training.local_batch_size", "0",
+                                          "--parallelism.context_parallel_degree", "0"]), world_size=1)
+    assert e.value.problems == ["training.steps must be positive, got 0",
+                                "training.local_batch_size must be positive, got 0",  # named once
+                                "parallelism.context_parallel_degree must be >= 1, got 0"]
 
 
 def test_exit_on_config_error_prints_and_exits_2(capsys):

@@ -32,12 +32,40 @@ def test_bad_key_is_one_error_line_and_exit_2_before_any_worker_starts(ngpu, tmp
     assert result.stdout == "" and not (tmp_path / "o").exists()
 
 
-def test_all_unset_placeholders_of_the_35b_config_are_named_at_once():
-    # On the 8 GPUs it asks for (EP=8): everything is checked before any worker starts, so no GPU is needed.
-    result = run_train("--config", str(REPO / "train_configs" / "qwen35_moe.toml"), ngpu="8")
+@pytest.mark.parametrize("ngpu", ["8", "1"])
+def test_all_unset_placeholders_of_the_35b_config_are_named_at_once(ngpu):
+    # Everything is checked before any worker starts, so no GPU is needed. On the 8 GPUs it asks for (EP=8) the
+    # placeholders are all that is wrong; on one process the expert-parallel degree is too, and hides none of them.
+    result = run_train("--config", str(REPO / "train_configs" / "qwen35_moe.toml"), ngpu=ngpu)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     for key in ("training.dataset_path", "model.tokenizer_path", "checkpoint.initial_load_hf"):
         assert key in result.stderr, key
+    assert ("expert_parallel_degree = 8 must divide" in result.stderr) == (ngpu == "1")
+
+
+def test_an_unknown_key_a_wrong_type_and_a_missing_path_are_one_error_line(tmp_path):
+    result = run_train("--training.stesp", "5", "--optimizer.lr", "abc", "--training.dataset_path", "/nope",
+                       "--job.dump_folder", str(tmp_path / "o"))
+    assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "o").exists()
+    assert result.stderr.splitlines() == [
+        "error: the run cannot start, 3 problems: (1) command line: unknown option --training.stesp (did you mean "
+        "--training.steps?); (2) command line: optimizer.lr = 'abc' is not a number; (3) training.dataset_path "
+        "'/nope' does not exist; set it in the config file or with --training.dataset_path PATH"]
+
+
+def test_a_bad_config_under_torchrun_itself_is_one_error_line_not_one_per_rank(tmp_path):
+    """torchrun started by hand, without the launcher's check first: every rank finds the same problems; rank 0
+    names them, the others exit with the same code."""
+    exits = tmp_path / "exits"  # each rank's exit code (as under the launcher)
+    exits.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "QWEN35_EXIT_DIR": str(exits)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "harness.train",
+                             "--training.stesp", "5", "--job.dump_folder", str(tmp_path / "o")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert errors == ["error: command line: unknown option --training.stesp (did you mean --training.steps?)"]
+    assert sorted((p.name, p.read_text()) for p in exits.iterdir()) == [("rank0", "2"), ("rank1", "2")]
 
 
 @pytest.mark.parametrize("ngpu", ["1", "2"])
