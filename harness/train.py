@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.print_summary()
     except TrainingDivergedError as err:
         return _fail(DIVERGED, err)
+    except CheckpointError as err:  # a save or the export the file system refused (a full disk)
+        return _fail(BAD_INPUT, err)
     except TrainingStopped as stopped:
         return _stop(0 if stopped.reason == TERMINATED else INTERRUPTED, str(stopped))
     except KeyboardInterrupt:  # a second Ctrl-C: no save
