@@ -21,9 +21,11 @@ import torch
 from harness.checkpoint.checkpointer import ABANDONED, Checkpointer, step_folders
 from harness.checkpoint.integrity import COMPLETE, check_files, file_digest, read_complete
 from harness.config import load_config
+from harness.convert import main as convert_main
 from harness.train import main
 from tests.checkpoint_faults import (
     disk_fills_during_dcp_writes,
+    disk_fills_during_hf_writes,
     flip_tensor_bytes,
 )
 
@@ -250,6 +252,58 @@ def test_a_full_disk_during_a_save_stops_with_one_line_and_keeps_the_earlier_che
     assert run(tmp_path / "run", cache, "--training.steps", "4", "--checkpoint.interval", "2") == 0
     assert losses(tmp_path / "run") == losses(tmp_path / "ref")
     assert sorted(step_folders(folder)) == [2, 4] and verifies(folder / "step-4")
+
+
+def test_a_full_disk_during_the_hf_export_stops_with_one_line_and_leaves_the_earlier_export(
+        tmp_path, cache, capsys, monkeypatch):
+    export = ["--checkpoint.enable", "false", "--checkpoint.export_hf_at_end", "true", "--training.steps", "1"]
+    assert run(tmp_path, cache, *export) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    disk_fills_during_hf_writes(monkeypatch)
+    capsys.readouterr()
+    assert run(tmp_path, cache, *export, "--training.seed", "7") == 2  # other weights, were they written
+    err = capsys.readouterr().err
+    assert len(errors(err)) == 1 and "Traceback" not in err
+    assert errors(err)[0].startswith(f"error: cannot write the Hugging Face folder {tmp_path / 'hf'}: ")
+    assert "No space left on device" in errors(err)[0] and "nothing was replaced" in errors(err)[0]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    assert not (tmp_path / "hf.tmp").exists()
+
+
+# ---- the converter ----
+
+def test_the_converter_refuses_an_incomplete_or_corrupt_step_and_a_full_disk_leaves_no_output(
+        tmp_path, cache, capsys, monkeypatch):
+    assert run(tmp_path, cache, "--training.steps", "2", "--checkpoint.interval", "1") == 0
+    steps = tmp_path / "checkpoint"
+    (steps / "step-2" / COMPLETE).unlink()  # as a save killed before its end leaves it
+    flip_tensor_bytes(steps / "step-1", EMBEDDING)
+    capsys.readouterr()
+    for step, says in ((2, "has no COMPLETE: its save never finished"),
+                       (1, "failed verification: __0_0.distcp digest")):
+        assert convert_main([str(steps / f"step-{step}"), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: {'checkpoint ' if step == 1 else ''}"
+                                                             f"{steps / f'step-{step}'}") and says in err, err
+        assert not (tmp_path / "out").exists()
+
+    assert run(tmp_path / "good", cache, "--training.steps", "1") == 0
+    disk_fills_during_hf_writes(monkeypatch)
+    capsys.readouterr()
+    assert convert_main([str(tmp_path / "good" / "checkpoint" / "step-1"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "No space left on device" in err and str(tmp_path / "out") in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_the_converter_converts_a_step_without_checksums_with_a_warning(tmp_path, cache, capsys):
+    assert run(tmp_path, cache, "--training.steps", "1", "--checkpoint.export_hf_at_end", "true") == 0
+    (tmp_path / "checkpoint" / "step-1" / COMPLETE).write_text(json.dumps({"step": 1, "world_size": 1}) + "\n")
+    capsys.readouterr()
+    assert convert_main([str(tmp_path / "checkpoint" / "step-1"), str(tmp_path / "out")]) == 0
+    assert "warning:" in capsys.readouterr().err
+    for exported in (tmp_path / "hf").glob("*.safetensors"):
+        assert (tmp_path / "out" / exported.name).read_bytes() == exported.read_bytes()
 
 
 # ---- what is unpickled ----
