@@ -433,7 +433,10 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
-            raise CheckpointError(f"cannot load checkpoint {path}: {_one_line(_first_cause(e))}") from e
+            others = [f"step-{s}" for s, p in sorted(step_folders(self.folder).items()) if p != path]
+            hint = (f"; an earlier checkpoint may be intact: resume it with checkpoint.load_step (complete ones: "
+                    f"{', '.join(others)})" if others else "")
+            raise CheckpointError(f"cannot load checkpoint {path}: {_one_line(_first_cause(e))}{hint}") from e
         return state
 
     def _check_model_matches(self, path: Path) -> None:

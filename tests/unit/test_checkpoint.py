@@ -75,7 +75,7 @@ def test_a_save_killed_midway_is_never_the_latest(tmp_path, capsys):
 def test_a_corrupt_checkpoint_without_checksums_stops_with_its_name_and_stays_as_it_was(tmp_path, capsys):
     """A checkpoint saved before COMPLETE held digests is resumed unverified: DCP's reader then finds the damage.
     (With digests, verification finds it first: tests/unit/test_checkpoint_integrity.py.)"""
-    assert run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2") == 0
+    assert run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0") == 0
     (tmp_path / "checkpoint" / "step-2" / COMPLETE).write_text(json.dumps({"step": 2, "world_size": 1}) + "\n")
     data = next((tmp_path / "checkpoint" / "step-2").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -85,6 +85,7 @@ def test_a_corrupt_checkpoint_without_checksums_stops_with_its_name_and_stays_as
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: cannot load checkpoint") and "step-2" in errors[0]
     assert "corrupted" in errors[0]  # the reader's own diagnosis, in one line
+    assert errors[0].endswith("resume it with checkpoint.load_step (complete ones: step-1)")  # the way out
     assert data.read_bytes() == before
 
 
