@@ -7,6 +7,12 @@ shard as it comes: memory stays at a few times the largest tensor (DCP reads a t
 whatever the shard size (5 GiB by default). The model's config.json and the tokenizer files come from the step's hf/ folder,
 which the trainer writes beside every checkpoint. The output is the end-of-run export's layout and bytes:
 the same shard plan, names, dtypes (A_log, dt_bias and the GDN norm in F32) and metadata.
+
+Only a complete step is converted (one with the COMPLETE the trainer writes last), and its files are first checked
+against the digests COMPLETE records (a step saved before they were recorded converts with a warning). The output is
+written into <hf_out_dir>.tmp and renamed into place: an interrupted or refused write (a full disk) never leaves a
+folder that looks complete. Reading a checkpoint unpickles DCP's .metadata (torch's format): a checkpoint from
+someone else is code; convert only your own or ones you trust.
 Exit codes: 0 done, 2 bad input (one `error:` line).
 """
 
@@ -22,11 +28,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
+from .checkpoint.checkpointer import CheckpointError, step_folders
 from .checkpoint.hf_weights import write_hf_folder
+from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +51,7 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     if not (step_dir / ".metadata").is_file():
         hint = " (it holds step-N folders: name one of them)" if any(step_dir.glob("step-*")) else ""
         raise ConvertError(f"{step_dir} is not a DCP checkpoint step folder: it has no .metadata{hint}")
+    verify(step_dir)
     if not (meta_dir / "config.json").is_file():
         raise ConvertError(f"{meta_dir / 'config.json'} is missing: the trainer writes it beside every checkpoint; "
                            "was this folder saved by another program?")
@@ -59,7 +69,11 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
         for h in keys:  # one tensor at a time: DCP reads only it (never the optimizer state)
             md = saved[native_of[h]]
             wanted = {f"model.{native_of[h]}": torch.empty(tuple(md.size), dtype=md.properties.dtype)}
-            dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
+            try:
+                dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
+            except (Exception, CheckpointException) as e:  # an unverified (old) step's damage; DCP's wrapper is a
+                cause = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e  # BaseException
+                raise ConvertError(f"cannot read {native_of[h]} from {step_dir}: {str(cause).strip().splitlines()[0]}")
             yield h, wanted.popitem()[1].to(specs[h][0])
 
     def extra_files(tmp: Path) -> None:  # tokenizer and generation config, as the run exported them
@@ -71,8 +85,29 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     return Path(out_dir)
 
 
+def verify(step_dir: Path) -> None:
+    """Refuse a step without COMPLETE or whose files differ from COMPLETE's digests (ConvertError, naming them)."""
+    if not (step_dir / COMPLETE).is_file():
+        complete = ", ".join(f"step-{s}" for s in sorted(step_folders(step_dir.parent))) or "none"
+        raise ConvertError(f"{step_dir} has no {COMPLETE}: its save never finished, so its files may be partial; "
+                           f"convert a complete step (complete ones beside it: {complete})")
+    try:
+        record = read_complete(step_dir)
+    except ValueError as e:
+        raise ConvertError(f"{step_dir}: {e}") from None
+    if "files" not in record:
+        print(f"warning: {step_dir} has no checksums (saved before they were recorded): converting it unverified",
+              file=sys.stderr)
+        return
+    problem = check_files(step_dir, record, threads=hash_threads())
+    if problem is not None:
+        raise ConvertError(f"checkpoint {step_dir} failed verification: {problem}; convert another step")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.convert", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.convert", description=__doc__.split("\n\n")[0],
+                                     epilog="Reading a checkpoint unpickles its DCP .metadata (torch's format): a "
+                                     "checkpoint from someone else is code; convert only your own or ones you trust.")
     parser.add_argument("step_dir", help="a checkpoint step folder, <dump_folder>/checkpoint/step-N")
     parser.add_argument("out_dir", help="the Hugging Face folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
@@ -81,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = convert(args.step_dir, args.out_dir, args.dtype, args.max_shard_gib)
-    except (ConvertError, OSError) as e:
+    except (ConvertError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.print_summary()
     except TrainingDivergedError as err:
         return _fail(DIVERGED, err)
-    except DataError as err:  # a damaged row of the cache, a bad row of a stream
+    except (DataError, CheckpointError) as err:  # a damaged row of the cache; a save the file system refused
         return _fail(BAD_INPUT, err)
     except TrainingStopped as stopped:
         return _stop(0 if stopped.reason == TERMINATED else INTERRUPTED, str(stopped))

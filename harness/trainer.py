@@ -20,7 +20,7 @@ from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
-from .checkpoint.checkpointer import Checkpointer, latest_complete_step
+from .checkpoint.checkpointer import Checkpointer, verified_resume_step
 from .checkpoint.hf_weights import export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data.loader import build_dataloader
@@ -89,7 +89,7 @@ class Trainer:
 
         ckpt = cfg.checkpoint
         ckpt_folder = os.path.join(cfg.job.dump_folder, ckpt.folder)
-        resume_step = latest_complete_step(ckpt_folder, ckpt.load_step) if ckpt.enable else None
+        resume_step = verified_resume_step(ckpt_folder, ckpt.load_step, self.cpu_group) if ckpt.enable else None
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
@@ -119,7 +119,8 @@ class Trainer:
                 ckpt_folder, self.model, self.optimizer, self.lr_scheduler, self.dataloader,
                 keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
                 model_config=args_for_hf.to_hf_config(ckpt.export_dtype),
-                hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files))
+                hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files),
+                run_config=cfg.to_dict())
         if resume_step is not None:
             train_state = self.checkpointer.resume(resume_step)
             self.step, tb_run = train_state["step"], train_state["tb_run"]

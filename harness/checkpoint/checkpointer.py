@@ -1,31 +1,39 @@
 """DCP checkpoints of a run: saved every `checkpoint.interval` steps and at the last one, the latest
-`keep_latest_k` kept, and the latest complete one resumed at the next launch.
+`keep_latest_k` kept, and the newest one that verifies resumed at the next launch (docs/design.md, "Checkpoints").
 
-Layout: <dump_folder>/<checkpoint.folder>/step-N/ holds torch.distributed.checkpoint's files and then, last,
-COMPLETE (written by rank 0 once every rank's files and DCP's .metadata are written). A folder without
-COMPLETE (a save killed midway) is never resumed and is deleted by the next save. Beside the DCP files, hf/ holds
-config.json and the tokenizer files, so `python -m harness.convert step-N out/` writes a complete HF folder.
+Layout: <dump_folder>/<checkpoint.folder>/step-N/ holds torch.distributed.checkpoint's files, hf/ (config.json and
+the tokenizer files, so `python -m harness.convert step-N out/` writes a complete HF folder) and then, last, COMPLETE,
+written by rank 0 once every rank's files are written: the step, the world size and each file's size and digest
+(harness/checkpoint/integrity.py; every rank digests its own files, rank 0 gathers them). A folder without COMPLETE (a
+save killed midway, or one the file system refused) is never resumed and is deleted by the next save.
+
+Resume: the newest complete checkpoint whose files match COMPLETE's digests (each rank checks its share, the ranks
+agree), else the next older one, each failure logged in one line; `checkpoint.load_step` picks one and rolls back:
+complete checkpoints newer than the one resumed are moved aside into abandoned-<UTC time>/, where pruning, which
+looks only at step-N folders directly under the checkpoint folder, never goes.
 
 What a checkpoint holds (DCP keys):
   model.<fqn>          the model's state dict: DTensor shards under FSDP, so any world size / mesh loads it
   optimizer.<fqn>...   get_optimizer_state_dict (keyed by parameter name: reshardable too)
   train                step, LR schedule, data-loader position (global: the same on every rank), the model's
-                       config, world size, the TensorBoard run folder
+                       config, world size, the TensorBoard run folder, the run's config (`run_config`)
   rank<r>              per rank: RNG states (python, torch CPU, CUDA) and, for streamed datasets, that rank's
                        loader; restored only at the same world size (rows of local datasets do not depend on it)
-Checkpoints are trusted input: loading one unpickles its metadata and the `train` / `rank<r>` entries.
+`train` and `rank<r>` hold tensors and plain values only (dicts, lists, tuples, numbers, strings), read back with
+torch.load(weights_only=True): no code of the checkpoint's runs there. DCP's own .metadata is still a pickle that
+torch unpickles whole, so a checkpoint from someone else is code: load only your own.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import random
 import re
 import shutil
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,41 +51,133 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.qwen35_moe.init import canonical_name
 
+from .integrity import (
+    ALGORITHM,
+    COMPLETE,
+    check_files,
+    digest_files,
+    hash_threads,
+    rank_0_files,
+    rank_data_files,
+    read_complete,
+    write_complete,
+)
+
 logger = logging.getLogger(__name__)
 # DCP says this on every save / load of a single-process run; that is what no_dist asks for.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-COMPLETE = "COMPLETE"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
+ABANDONED = "abandoned-"  # + UTC time: checkpoints moved aside by a rollback or a failed verification
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed: missing, incomplete, corrupt or saved for another model."""
+    """A checkpoint that cannot be resumed or written: missing, incomplete, corrupt, saved for another model, or a
+    file system that refused the write. train.py turns it into one `error:` line and exit 2."""
+
+
+def _step_dirs(folder: Path) -> dict[int, Path]:
+    """{step: folder} of every step-N folder directly under `folder`, complete or not."""
+    if not folder.is_dir():
+        return {}
+    return {int(m.group(1)): p for p in folder.iterdir() if (m := _STEP_FOLDER.match(p.name)) and p.is_dir()}
 
 
 def step_folders(folder: str | Path) -> dict[int, Path]:
     """{step: folder} of the complete checkpoints under `folder`."""
+    return {step: path for step, path in _step_dirs(Path(folder)).items() if (path / COMPLETE).is_file()}
+
+
+def agreed(error: str | None, group=None) -> str | None:
+    """The first rank's error (None: no rank has one), the same on every rank: what each rank found alone (its own
+    files, a write only it made) becomes every rank's decision, and no rank is left waiting at a collective for one
+    that has raised."""
+    if not dist.is_initialized():
+        return error
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e is not None), None)
+
+
+def _rank_world(group=None) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+
+
+def _problem(path: Path, rank: int, world: int) -> str | None:
+    """What is wrong with this rank's share of checkpoint `path` (integrity.checked_by), in a few words; None if
+    nothing."""
+    try:
+        record = read_complete(path)
+    except ValueError as e:
+        return str(e)
+    if "files" not in record:
+        if rank == 0:
+            logger.warning("checkpoint %s has no checksums (saved before they were recorded): resuming it unverified",
+                           path)
+        return None
+    return check_files(path, record, rank, world, hash_threads())
+
+
+def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) -> int | None:
+    """The step to resume, the same on every rank of `group`: `checkpoint.load_step`, or else the newest complete
+    checkpoint whose files match COMPLETE's digests, falling back to older ones (each failure logged in one line,
+    with the step resumed); None when `folder` holds no complete checkpoint. Complete checkpoints newer than the one
+    resumed are moved aside, so that the next launch continues this line, not theirs (`_set_aside`). CheckpointError
+    (nothing moved) when `load_step` is not complete or fails verification, or when no checkpoint verifies."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for path in folder.iterdir():
-        match = _STEP_FOLDER.match(path.name)
-        if match and (path / COMPLETE).is_file():
-            found[int(match.group(1))] = path
-    return found
+    rank, world = _rank_world(group)
+    listed = [sorted(step_folders(folder))]
+    if dist.is_initialized():  # rank 0's listing, so that every rank walks the same steps
+        dist.broadcast_object_list(listed, src=0, group=group)
+    complete = {step: folder / f"step-{step}" for step in listed[0]}
+    if load_step >= 0 and load_step not in complete:
+        shown = ", ".join(f"step-{s}" for s in sorted(complete)) or "none"
+        raise CheckpointError(f"checkpoint.load_step = {load_step}: {folder / f'step-{load_step}'} is not a complete "
+                              f"checkpoint (complete ones: {shown})")
+    candidates = [load_step] if load_step >= 0 else sorted(complete, reverse=True)
+    failed = []
+    for step in candidates:
+        problem = agreed(_problem(complete[step], rank, world), group)
+        if problem is None:
+            break
+        failed.append(f"checkpoint step-{step} failed verification: {problem}")
+    else:
+        if not candidates:
+            return None
+        what = (f"pick another checkpoint.load_step (complete ones: {', '.join(f'step-{s}' for s in sorted(complete))})"
+                if load_step >= 0 else f"no checkpoint in {folder} verifies: restore one, or start afresh in another "
+                                       "job.dump_folder")
+        raise CheckpointError("; ".join(failed) + f"; {what}")
+    if rank == 0:
+        for line in failed:
+            logger.warning("%s; resuming from step-%d", line, step)
+    newer = [complete[s] for s in sorted(complete) if s > step]
+    if newer:
+        why = (f"checkpoint.load_step rolls back to step-{step}" if load_step >= 0 else
+               f"newer than step-{step}, the newest that verifies")
+        error = None
+        if rank == 0:
+            try:
+                _set_aside(folder, newer, why)
+            except OSError as e:
+                error = f"cannot move {', '.join(p.name for p in newer)} aside in {folder} ({why}): {e}"
+        error = agreed(error, group)
+        if error is not None:
+            raise CheckpointError(error)
+    return step
 
 
-def latest_complete_step(folder: str | Path, load_step: int = -1) -> int | None:
-    """The step to resume: `load_step` (which must be complete), else the latest complete one (None: none)."""
-    complete = step_folders(folder)
-    if load_step >= 0:
-        if load_step not in complete:
-            shown = ", ".join(f"step-{s}" for s in sorted(complete)) or "none"
-            raise CheckpointError(f"checkpoint.load_step = {load_step}: {Path(folder) / f'step-{load_step}'} is not "
-                                  f"a complete checkpoint (complete ones: {shown})")
-        return load_step
-    return max(complete) if complete else None
+def _set_aside(folder: Path, paths: list[Path], why: str) -> None:
+    """Move step folders into <folder>/abandoned-<UTC time>/, out of "latest" and out of pruning's reach."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target, n = folder / f"{ABANDONED}{stamp}", 1
+    while target.exists():
+        target, n = folder / f"{ABANDONED}{stamp}-{n}", n + 1
+    target.mkdir()
+    for path in paths:
+        path.rename(target / path.name)
+    logger.warning("moved %s aside to %s (%s); pruning never touches them", ", ".join(p.name for p in paths), target,
+                   why)
 
 
 def model_tensor_shapes(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
@@ -90,8 +190,16 @@ def model_tensor_shapes(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
             if key.startswith("model.") and hasattr(md, "size")}
 
 
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def _first_cause(e: BaseException) -> BaseException:
+    """The exception behind DCP's wrapper of per-rank failures (a BaseException), or `e` itself."""
+    if isinstance(e, CheckpointException) and getattr(e, "failures", None):
+        return next(iter(e.failures.values()))[0]  # (exception, traceback) of the first failed rank
+    return e.__cause__ or e
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _to_bytes(obj) -> bytes:
@@ -100,25 +208,41 @@ def _to_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)  # our own pickled RNG states: trusted input
+def _from_bytes(data: bytes, what: str, path: Path):
+    """A train or rank state, with torch.load(weights_only=True): tensors and plain values, never code.
+
+    No fallback to a full unpickling: every state this trainer has written (RNG states as tuples of ints and
+    tensors, loader positions, the LR schedule's numbers, configs as dicts) loads this way, so one that does not was
+    written by something else, and is refused."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001  (the unpickler's refusal, or bytes that are no torch.save at all)
+        raise CheckpointError(f"checkpoint {path}: its {what} state holds more than tensors and plain values, which "
+                              f"this trainer never writes ({_one_line(e)}); it is not unpickled. Was the checkpoint "
+                              "written by another program?") from None
 
 
 class Checkpointer:
     """Saves and resumes the run's state. Every rank calls `save` / `resume` at the same points."""
 
     def __init__(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler,
-                 dataloader, *, keep_latest_k: int, async_mode: str, model_config: dict, hf_files=None):
-        """`hf_files(folder)` writes config.json and the tokenizer beside each checkpoint."""
+                 dataloader, *, keep_latest_k: int, async_mode: str, model_config: dict, hf_files=None,
+                 run_config: dict | None = None):
+        """`hf_files(folder)` writes config.json and the tokenizer beside each checkpoint. `run_config`: the run's
+        config as a plain dict, saved in the train state and returned by `resume` (None from checkpoints without)."""
         self.folder = Path(folder)
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.keep_latest_k, self.model_config, self.hf_files = keep_latest_k, model_config, hf_files
+        self.run_config = run_config
         self.rank, self.world = _rank_world()
         # An async save runs its collectives in a background thread: on a gloo group of its own, never on the
         # group the training step uses at the same time (interleaved collectives would deadlock or mix data).
         self.async_mode = async_mode
         self.async_group = dist.new_group(backend="gloo") if async_mode == "async" and dist.is_initialized() else None
-        self.pending: tuple[object, int, Path] | None = None  # an async save still writing
+        # Digests of an async save are taken in the background too, one thread: it competes with the training
+        # step's host work, and nothing waits for it before the next save.
+        self.hasher = ThreadPoolExecutor(1) if async_mode == "async" else None
+        self.pending: tuple[Future, int, Path] | None = None  # an async save still writing, then hashing
         self.last_stall_s = 0.0  # how long the last save held training up
 
     # ---- what is saved ----
@@ -126,7 +250,8 @@ class Checkpointer:
     def _train_state(self, step: int, tb_run: str | None) -> dict:
         return {"step": step, "lr_scheduler": self.lr_scheduler.state_dict(),
                 "dataloader": self.dataloader.state_dict() if self._global_loader_state() else None,
-                "model_config": self.model_config, "world_size": self.world, "tb_run": tb_run}
+                "model_config": self.model_config, "world_size": self.world, "tb_run": tb_run,
+                "run_config": self.run_config}
 
     def _rank_state(self) -> dict:
         state = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -147,56 +272,120 @@ class Checkpointer:
     # ---- saving ----
 
     def save(self, step: int, tb_run: str | None = None) -> Path:
-        """Save step `step` (waiting first for an async save still in flight). Returns its folder."""
+        """Save step `step` (waiting first for an async save still in flight). Returns its folder. CheckpointError,
+        on every rank, if the file system refuses a write (a full disk): the folder is left without COMPLETE."""
         self.wait()
         path = self.folder / f"step-{step}"
+        error = None
         if self.rank == 0:
-            if path.exists():  # an incomplete save of this step, from a run that died: start afresh
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        self._barrier()
+            try:
+                if path.exists():  # an incomplete save of this step, from a run that died: start afresh
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
+            except OSError as e:
+                error = _one_line(e)
+        error = agreed(error, self.async_group)
+        if error is not None:
+            raise CheckpointError(self._save_error(step, path, error))
         start = time.perf_counter()
         state = self._state_dict(step, tb_run)
         if self.async_mode == "async":
             response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group,
                                       no_dist=not dist.is_initialized())
-            self.pending = (response, step, path)
+            written = getattr(response, "upload_completion", None) or response
+            self.pending = (self.hasher.submit(self._own_digests, path, written, 1), step, path)
         else:
-            dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-            self._finish(step, path)
+            try:
+                dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+                digests = self._own_digests(path, None, hash_threads())
+            except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's wrapper is a BaseException)
+                digests = self._write_failure(e)
+            self._finish(step, path, digests)
         self.last_stall_s = time.perf_counter() - start
         logger.info("checkpoint step-%d %s (training held up %.2f s)", step,
                     "being written in the background" if self.pending else f"saved to {path}", self.last_stall_s)
         return path
 
+    def _own_digests(self, path: Path, written: Future | None, threads: int) -> dict[str, dict]:
+        """Digests of the files this rank wrote (rank 0: also DCP's .metadata), once `written` (an async save's
+        completion) is done."""
+        if written is not None:
+            written.result()
+        names = rank_data_files(path, self.rank) + ([".metadata"] if self.rank == 0 else [])
+        return digest_files(path, names, threads)
+
+    @staticmethod
+    def _write_failure(e: BaseException) -> str:
+        """A refused write (an OSError, on any rank: DCP passes its ranks' failures to all) as the error every rank
+        reports; anything else is a fault of the code, raised as it is."""
+        cause = _first_cause(e)
+        while cause is not None and not isinstance(cause, OSError):
+            # torch.save reports a write that failed under it as its own RuntimeError ("unexpected pos"), raised
+            # while the OSError propagated
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise e
+        return _one_line(cause)
+
     def wait(self) -> None:
-        """Complete an async save in flight (its files, then COMPLETE and pruning)."""
+        """Complete an async save in flight (its files and their digests, then COMPLETE and pruning)."""
         if self.pending is None:
             return
-        response, step, path = self.pending
+        future, step, path = self.pending
         self.pending = None
-        (getattr(response, "upload_completion", None) or response).result()
-        self._finish(step, path)
+        try:
+            digests = future.result()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            digests = self._write_failure(e)
+        self._finish(step, path, digests)
 
-    def _finish(self, step: int, path: Path) -> None:
-        self._barrier()  # every rank's files are written
+    def _finish(self, step: int, path: Path, digests: dict[str, dict] | str) -> None:
+        """Every rank's digests (or its error) to rank 0, which writes hf/ and then COMPLETE, then prunes."""
+        gathered = [digests] if not dist.is_initialized() else [None] * self.world
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, digests, group=self.async_group)
+        error = next((d for d in gathered if isinstance(d, str)), None)
+        if error is None and self.rank == 0:
+            try:
+                if self.hf_files is not None:
+                    (path / "hf").mkdir(exist_ok=True)
+                    self.hf_files(path / "hf")
+                files = {name: d for ranks in gathered for name, d in ranks.items()}
+                files |= digest_files(path, [n for n in rank_0_files(path) if n not in files], hash_threads())
+                write_complete(path, {"step": step, "world_size": self.world, "checksum": ALGORITHM, "files": files})
+            except OSError as e:
+                error = _one_line(e)
+        error = agreed(error, self.async_group)
+        if error is not None:
+            raise CheckpointError(self._save_error(step, path, error))
         if self.rank == 0:
-            if self.hf_files is not None:
-                (path / "hf").mkdir(exist_ok=True)
-                self.hf_files(path / "hf")
-            (path / COMPLETE).write_text(json.dumps({"step": step, "world_size": self.world}) + "\n")
             self._prune(keep=step)
         self._barrier()
 
+    def _save_error(self, step: int, path: Path, cause: str) -> str:
+        intact = sorted(s for s in step_folders(self.folder) if s != step)
+        last = (f"the last intact checkpoint is step-{intact[-1]} ({self.folder / f'step-{intact[-1]}'}), which a "
+                "relaunch resumes" if intact else "there is no earlier checkpoint")
+        return (f"cannot save checkpoint step-{step} to {path}: {cause}; {last}. Free space (or fix the file system) "
+                "first")
+
     def _prune(self, keep: int) -> None:
-        """Delete incomplete step folders (leftovers of killed saves) and complete ones beyond keep_latest_k."""
+        """Delete incomplete step folders (leftovers of killed saves) and complete ones beyond keep_latest_k; never
+        `keep`, the checkpoint just saved, and each one's COMPLETE first, so that a kill midway leaves an incomplete
+        folder, never a complete-looking partial one. Only step-N folders directly under the checkpoint folder."""
         complete = step_folders(self.folder)
-        for path in self.folder.iterdir():
-            match = _STEP_FOLDER.match(path.name)
-            if match and int(match.group(1)) not in complete and int(match.group(1)) != keep:
+        for step, path in _step_dirs(self.folder).items():
+            if step not in complete and step != keep:
                 shutil.rmtree(path, ignore_errors=True)
         if self.keep_latest_k > 0:
             for step in sorted(complete)[:-self.keep_latest_k]:
+                if step == keep:  # numbered below a step that was copied in, say: still the newest verified one
+                    continue
+                try:
+                    (complete[step] / COMPLETE).unlink()
+                except OSError as e:
+                    logger.warning("not pruning %s: cannot remove its %s (%s)", complete[step], COMPLETE, e)
+                    continue
                 shutil.rmtree(complete[step], ignore_errors=True)
 
     def _barrier(self) -> None:
@@ -206,10 +395,12 @@ class Checkpointer:
     # ---- resuming ----
 
     def resume(self, step: int) -> dict:
-        """Load step `step` into the model, optimizer, LR schedule, data loader and RNG; returns its train state."""
+        """Load step `step` into the model, optimizer, LR schedule, data loader and RNG; returns its train state (with
+        `run_config`: None for a checkpoint saved without). Verification comes first: `verified_resume_step`."""
         path = self.folder / f"step-{step}"
         self._check_model_matches(path)
-        train = _from_bytes(self._load(path, {"train": b""})["train"])
+        train = _from_bytes(self._load(path, {"train": b""})["train"], "train", path)
+        train.setdefault("run_config", None)
         same_world = train["world_size"] == self.world
         state = {"model": get_model_state_dict(self.model),
                  "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
@@ -227,7 +418,7 @@ class Checkpointer:
         if train["dataloader"] is not None:
             self.dataloader.load_state_dict(train["dataloader"])
         if same_world:
-            self._restore_rank_state(_from_bytes(state[f"rank{self.rank}"]))
+            self._restore_rank_state(_from_bytes(state[f"rank{self.rank}"], f"rank{self.rank}", path))
         elif train["dataloader"] is None:
             raise CheckpointError(f"{path} was saved by {train['world_size']} ranks with a streamed dataset, whose "
                                   f"position is per rank: resume it with {train['world_size']} ranks")
@@ -242,11 +433,10 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:  # DCP's wrapper of per-rank failures is a BaseException
-            cause = e.__cause__ or e
-            if isinstance(e, CheckpointException) and getattr(e, "failures", None):
-                cause = next(iter(e.failures.values()))[0]  # (exception, traceback) of the first failed rank
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            raise CheckpointError(f"cannot load checkpoint {path}: {first}") from e
+            others = [f"step-{s}" for s, p in sorted(step_folders(self.folder).items()) if p != path]
+            hint = (f"; an earlier checkpoint may be intact: resume it with checkpoint.load_step (complete ones: "
+                    f"{', '.join(others)})" if others else "")
+            raise CheckpointError(f"cannot load checkpoint {path}: {_one_line(_first_cause(e))}{hint}") from e
         return state
 
     def _check_model_matches(self, path: Path) -> None:

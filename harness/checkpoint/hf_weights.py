@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -40,16 +41,13 @@ from models.qwen35_moe.hf_checkpoint import (
 from models.qwen35_moe.init import canonical_name
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
+from .checkpointer import CheckpointError, agreed
+
 logger = logging.getLogger(__name__)
 
 
 def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():  # NCCL: name the device, or torch warns that it guesses
-        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
 
 
 @torch.no_grad()
@@ -93,24 +91,43 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
     """Write an HF folder shard by shard; called by every rank alike (`specs`: export dtype and shape of every
     HF key). `fetch(keys, keep)` yields (key, tensor) for those HF keys, in sorted order and export dtype, one at
     a time: the tensor where `keep` (the shard's owner, who writes it to disk at once), None elsewhere. It may
-    run collectives: every rank consumes it whole, in the same order."""
+    run collectives: every rank consumes it whole, in the same order.
+
+    Everything is written into `<folder>.tmp` and renamed into place at the end: a write the file system refuses
+    (a full disk) on any rank raises CheckpointError on every rank, the temporary folder is removed and `folder`
+    stays as it was."""
     rank, world = _rank_world()
     shards = plan_shards(specs, max_shard_bytes)
     tmp = Path(folder).with_name(Path(folder).name + ".tmp")
+    error = None
     if rank == 0:
-        fresh_temporary_folder(folder)
-    _barrier()
-    for i, (name, keys) in enumerate(zip(shard_names(len(shards)), shards)):
-        tensors = fetch(sorted(keys), i % world == rank)
-        if i % world == rank:
-            write_shard(tmp / name, {k: specs[k] for k in keys}, tensors)
-        else:
-            for _ in tensors:  # take part in the collectives that gather the owner's tensors
-                pass
-    _barrier()
-    if rank == 0:
-        publish_hf_folder(tmp, folder, args, dtype, shards, specs, extra_files)
-    _barrier()
+        try:
+            fresh_temporary_folder(folder)
+        except OSError as e:
+            error = f"{tmp}: {e}"
+    if agreed(error) is None:
+        for i, (name, keys) in enumerate(zip(shard_names(len(shards)), shards)):
+            tensors = fetch(sorted(keys), i % world == rank)
+            if i % world == rank and error is None:  # after a failed write, this rank only takes part (below)
+                try:
+                    write_shard(tmp / name, {k: specs[k] for k in keys}, tensors)
+                except OSError as e:
+                    error = f"{tmp / name}: {e}"
+            for _ in tensors:  # the rest, where this rank is not the owner or its write failed: every rank takes
+                pass           # part in the collectives that gather each tensor
+    error = agreed(error)
+    if error is None and rank == 0:
+        try:
+            publish_hf_folder(tmp, folder, args, dtype, shards, specs, extra_files)
+        except OSError as e:
+            error = f"{tmp}: {e}"
+    error = agreed(error)
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+        raise CheckpointError(f"cannot write the Hugging Face folder {folder}: {error}; nothing was replaced there. "
+                              "Free space (or fix the file system), then export again (python -m harness.convert "
+                              "converts a checkpoint step)")
 
 
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,

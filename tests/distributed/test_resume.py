@@ -1,7 +1,8 @@
 """Checkpoints across processes (FSDP over 2 gloo ranks on CPU): SIGTERM mid-run (run_train.sh as a user runs it)
 then relaunch equals the uninterrupted run bit for bit; a checkpoint saved by 2 ranks resumes on 1 and the reverse,
 also from and to context parallelism, expert parallelism, and FSDP's embedding and lm_head (the default here is
-vocabulary-parallel); Ctrl-C stops with one line, after saving.
+vocabulary-parallel); Ctrl-C stops with one line, after saving; a checkpoint that fails verification on one rank is
+skipped by both.
 
 The runs are the training entry point each rank of run_train.sh runs (tests/distributed/train_worker.py), in the
 shared launches (tests/distributed/launch.py): the uninterrupted runs first, then the relaunches, each on a copy of
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from harness.convert import main as convert_main
+from tests.checkpoint_faults import flip_bytes
 from tests.distributed.launch import Run, register, started_processes
 from tests.distributed.train_worker import logged, losses
 
@@ -160,6 +162,28 @@ def test_a_checkpoint_moves_between_expert_parallel_and_fsdp(launches, saved_wit
     assert got[5] == want[5]
     for step in range(6, 9):  # measured: bitwise up to step 7, then 1e-7 (other gradient summation order)
         assert got[step] == pytest.approx(want[step], rel=1e-6), step
+
+
+def corrupt_on_rank_1(folder: Path, saved: Path) -> None:
+    """`saved`'s dump folder copied as its run left it, with 64 bytes flipped in the middle of the file rank 1 wrote
+    for step 8 (the file only rank 1 verifies)."""
+    shutil.copytree(saved / "run", folder / "run")
+    data = folder / "run" / "checkpoint" / "step-8" / "__1_0.distcp"
+    flip_bytes(data, data.stat().st_size // 2)
+
+
+CORRUPT_ON_RANK_1 = register(Run("resume/corrupt_on_rank_1", 2, TRAIN, EVERY_4, corrupt_on_rank_1, (REF2,)))
+
+
+def test_a_checkpoint_that_fails_verification_on_one_rank_is_skipped_by_both(launches):
+    """Each rank checks its share of the files; rank 1's finding is both ranks' decision: they resume step 4 together
+    (one rank on step 8 would hang or mix states), step 8 is moved aside, and the run ends as the uninterrupted one."""
+    folder = launches.folder_of(CORRUPT_ON_RANK_1)
+    text = logged(folder)
+    assert "checkpoint step-8 failed verification: __1_0.distcp digest" in text and "resuming from step-4" in text
+    assert "checkpoint/step-4 (step 4)" in text
+    assert losses(folder) == losses(launches.folder_of(REF2))  # steps 5-8 trained again: the same bits
+    assert [p.name for p in (folder / "run" / "checkpoint").glob("abandoned-*/*")] == ["step-8"]
 
 
 FSDP_VOCAB = ("--parallelism.vocab_parallel", "never")

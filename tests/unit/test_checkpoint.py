@@ -41,7 +41,9 @@ def test_saves_every_interval_and_at_the_end_and_keeps_the_latest_k(tmp_path):
     steps = step_folders(tmp_path / "checkpoint")
     assert sorted(steps) == [4, 5]  # 2 was pruned
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4", "step-5"]
-    assert json.loads((steps[5] / COMPLETE).read_text()) == {"step": 5, "world_size": 1}
+    record = json.loads((steps[5] / COMPLETE).read_text())
+    assert (record["step"], record["world_size"]) == (5, 1)
+    assert {".metadata", "__0_0.distcp", "hf/config.json", "hf/tokenizer.json"} <= record["files"].keys()
     assert (steps[5] / "hf" / "config.json").is_file() and (steps[5] / "hf" / "tokenizer.json").is_file()
 
 
@@ -70,8 +72,11 @@ def test_a_save_killed_midway_is_never_the_latest(tmp_path, capsys):
     assert sorted(step_folders(tmp_path / "checkpoint")) == [2, 4, 5]  # step-4 written again, complete
 
 
-def test_a_corrupt_checkpoint_stops_with_its_name_and_stays_as_it_was(tmp_path, capsys):
-    assert run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "2") == 0
+def test_a_corrupt_checkpoint_without_checksums_stops_with_its_name_and_stays_as_it_was(tmp_path, capsys):
+    """A checkpoint saved before COMPLETE held digests is resumed unverified: DCP's reader then finds the damage.
+    (With digests, verification finds it first: tests/unit/test_checkpoint_integrity.py.)"""
+    assert run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0") == 0
+    (tmp_path / "checkpoint" / "step-2" / COMPLETE).write_text(json.dumps({"step": 2, "world_size": 1}) + "\n")
     data = next((tmp_path / "checkpoint" / "step-2").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     before = data.read_bytes()
@@ -80,6 +85,7 @@ def test_a_corrupt_checkpoint_stops_with_its_name_and_stays_as_it_was(tmp_path, 
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: cannot load checkpoint") and "step-2" in errors[0]
     assert "corrupted" in errors[0]  # the reader's own diagnosis, in one line
+    assert errors[0].endswith("resume it with checkpoint.load_step (complete ones: step-1)")  # the way out
     assert data.read_bytes() == before
 
 
