@@ -179,7 +179,9 @@ class Checkpoint:
     export_hf_at_end: bool = False  # write a Hugging Face folder to <dump_folder>/hf at the end
     export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # A_log, dt_bias, GDN norm: always F32
     initial_load_hf: str = ""  # HF checkpoint folder to initialise weights from (when none to resume)
-    load_step: int = -1  # step to resume from; -1 = latest
+    # Step to resume from; -1 = the newest that verifies. An older step rolls back: the later ones are moved to
+    # <folder>/abandoned-<time>/. Like restart_data, a one-off: the saved config.toml holds the default.
+    load_step: int = -1
     # Resume the weights, optimizer and schedule but read the data from its start: what a changed dataset,
     # tokenizer or training.seq_len needs (their saved data position would point into other rows).
     restart_data: bool = False

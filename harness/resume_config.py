@@ -39,13 +39,15 @@ def _same(key: str, saved, now, dataset: str) -> bool:
     return saved == now
 
 
-def data_changes(saved_config: dict | None, cfg: JobConfig) -> list[str]:
-    """`key saved -> now` for each DATA_KEYS value the relaunch changed ([] for a checkpoint without its config)."""
+def data_changes(saved_config: dict | None, run_config: dict) -> list[str]:
+    """`key saved -> now` for each DATA_KEYS value that differs between a checkpoint's run config and this run's
+    (`JobConfig.to_dict()` both; [] for a checkpoint saved without its config)."""
     if saved_config is None:
         return []
-    saved, now = _flat(saved_config), _flat(cfg.to_dict())
+    saved, now = _flat(saved_config), _flat(run_config)
+    dataset = now.get("training.dataset", "")
     return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in DATA_KEYS
-            if key in saved and not _same(key, saved[key], now[key], cfg.training.dataset)]
+            if key in saved and key in now and not _same(key, saved[key], now[key], dataset)]
 
 
 def other_changes(saved_config: dict | None, cfg: JobConfig) -> list[str]:

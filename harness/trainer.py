@@ -6,6 +6,7 @@ dims and mesh, tokenizer, model (model_setup), optimizer and LR schedule, data, 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -122,7 +123,7 @@ class Trainer:
                 hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files),
                 run_config=cfg.to_dict())
         if resume_step is not None:
-            train_state = self.checkpointer.resume(resume_step)
+            train_state = self.checkpointer.resume(resume_step, restore_data=not ckpt.restart_data)
             self.step, tb_run = train_state["step"], train_state["tb_run"]
             self._apply_relaunch_config(train_state.get("run_config"))
         self.first_step = self.step  # where this launch starts
@@ -146,11 +147,16 @@ class Trainer:
             logger.info("resumed with this launch's config; changed since the checkpoint:\n  %s", "\n  ".join(changes))
 
     def _save_config(self) -> None:
-        """The resolved config, printed and saved as <dump_folder>/config.toml (`--config` on it repeats the run)."""
-        text = to_toml(self.cfg)
+        """The resolved config, printed and saved as <dump_folder>/config.toml (`--config` on it continues the run).
+
+        Without this launch's one-off resume choices: a relaunch from the file continues the run's line rather
+        than rolling back to `checkpoint.load_step` again or restarting the data (`checkpoint.restart_data`)."""
+        ckpt = dataclasses.replace(self.cfg.checkpoint, load_step=-1, restart_data=False)
+        text = to_toml(dataclasses.replace(self.cfg, checkpoint=ckpt))
         path = os.path.join(self.cfg.job.dump_folder, "config.toml")
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:  # a kill mid-write leaves the previous file whole
             f.write(text)
+        os.replace(path + ".tmp", path)
         logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict:

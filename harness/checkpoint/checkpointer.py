@@ -51,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.qwen35_moe.init import canonical_name
 
+from ..data.errors import DataError
+from ..resume_config import data_changes
 from .integrity import (
     ALGORITHM,
     COMPLETE,
@@ -394,9 +396,10 @@ class Checkpointer:
 
     # ---- resuming ----
 
-    def resume(self, step: int) -> dict:
+    def resume(self, step: int, restore_data: bool = True) -> dict:
         """Load step `step` into the model, optimizer, LR schedule, data loader and RNG; returns its train state (with
-        `run_config`: None for a checkpoint saved without). Verification comes first: `verified_resume_step`."""
+        `run_config`: None for a checkpoint saved without). Verification comes first: `verified_resume_step`.
+        `restore_data` False (checkpoint.restart_data): the data loader keeps its start."""
         path = self.folder / f"step-{step}"
         self._check_model_matches(path)
         train = _from_bytes(self._load(path, {"train": b""})["train"], "train", path)
@@ -415,11 +418,14 @@ class Checkpointer:
         for group, flag in zip(self.optimizer.param_groups, foreach):
             group["foreach"] = flag
         self.lr_scheduler.load_state_dict(train["lr_scheduler"])
-        if train["dataloader"] is not None:
-            self.dataloader.load_state_dict(train["dataloader"])
+        rank_state = _from_bytes(state[f"rank{self.rank}"], f"rank{self.rank}", path) if same_world else None
+        if restore_data:
+            self._restore_data_position(train, rank_state, path)
+        else:
+            logger.info("checkpoint.restart_data: the data is read from its start")
         if same_world:
-            self._restore_rank_state(_from_bytes(state[f"rank{self.rank}"], f"rank{self.rank}", path))
-        elif train["dataloader"] is None:
+            self._restore_rank_state(rank_state)
+        elif train["dataloader"] is None and restore_data:
             raise CheckpointError(f"{path} was saved by {train['world_size']} ranks with a streamed dataset, whose "
                                   f"position is per rank: resume it with {train['world_size']} ranks")
         else:
@@ -452,10 +458,25 @@ class Checkpointer:
                                   + ". Resume with the model.flavor / model.hf_config it was saved with, or "
                                   "start in another job.dump_folder")
 
+    def _restore_data_position(self, train: dict, rank_state: dict | None, path: Path) -> None:
+        """The data loader's saved position (global, or this rank's for a stream), where it still means something:
+        the same data, tokenizer and seq_len. Otherwise one CheckpointError naming every difference."""
+        problems = data_changes(train["run_config"], self.run_config) if self.run_config is not None else []
+        saved = train["dataloader"] if train["dataloader"] is not None else (rank_state or {}).get("dataloader")
+        try:
+            if saved is not None:
+                self.dataloader.load_state_dict(saved)
+        except DataError as e:  # the data's content differs (files added, another tokenizer), or its state does
+            problems = problems or [str(e)]  # the config's differences, where there are some, say it plainer
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path}: the data changed since it was saved ({'; '.join(problems)}), so its data "
+                "position would point into other rows. Resume with the data it was saved with, or set "
+                "checkpoint.restart_data = true to resume the weights, optimizer and schedule and read this data "
+                "from its start")
+
     def _restore_rank_state(self, state: dict) -> None:
         random.setstate(state["python"])
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-        if "dataloader" in state:
-            self.dataloader.load_state_dict(state["dataloader"])

@@ -88,3 +88,36 @@ def test_a_resumed_run_logs_the_lr_of_the_new_setting_at_every_step(four_steps, 
         assert lrs[step] == pytest.approx(2e-4 * lr_factor(step, 8, 2, None, "cosine", 0.1))
     saved = (out / "config.toml").read_text()
     assert "lr = 0.0002" in saved and "steps = 8" in saved  # config.toml records what the run uses
+
+
+def test_a_changed_seq_len_or_dataset_stops_the_resume_naming_each_difference(four_steps, tmp_path, capsys):
+    import shutil
+
+    other = tmp_path / "other.jsonl"  # the same documents under another name, and one more: another token stream
+    other.write_text(Path(CORPUS).read_text() + json.dumps({"text": "one more document"}) + "\n")
+    out = tmp_path / "out"
+    shutil.copytree(four_steps, out)
+    flags = [*FAST, "--job.dump_folder", str(out), "--training.steps", "6", "--training.seq_len", "32",
+             "--training.dataset_path", str(other)]
+    assert main(flags) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "Traceback" in line]
+    assert len(err) == 1 and err[0].startswith("error: checkpoint ")
+    assert "training.seq_len 64 -> 32" in err[0] and f"-> {str(other)!r}" in err[0]
+    assert "checkpoint.restart_data = true" in err[0]
+    assert not (out / "checkpoint" / "step-6").exists()  # nothing trained, the checkpoint as it was
+    assert (out / "checkpoint" / "step-4" / "COMPLETE").is_file()
+
+    # Restarting the data: the weights and optimizer resume, the rows start over (the fresh run's first rows).
+    restarted = Trainer(load_config([*flags, "--checkpoint.restart_data", "true"]))
+    fresh = Trainer(load_config([*flags[:-8], "--job.dump_folder", str(tmp_path / "fresh"), "--training.seq_len", "32",
+                                 "--training.dataset_path", str(other), "--checkpoint.enable", "false"]))
+    try:
+        assert restarted.step == 4 and fresh.step == 0
+        # config.toml continues the run: it holds neither this launch's restart of the data nor a load_step
+        saved = (out / "config.toml").read_text()
+        assert "restart_data = false" in saved and "load_step = -1" in saved
+        first = next(iter(restarted.dataloader))
+        torch.testing.assert_close(first["input_ids"], next(iter(fresh.dataloader))["input_ids"], rtol=0, atol=0)
+    finally:
+        restarted.close()
+        fresh.close()
