@@ -29,4 +29,7 @@ if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec
   exit 2
 fi
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+# `python -m` would import from the current directory first: run from inside another checkout (or any folder with a
+# harness/ of its own), the launcher and its workers would silently run that code instead of this script's
+export PYTHONSAFEPATH=1
 exec "$PYTHON" -m harness.launch "$@"

@@ -175,6 +175,14 @@ def test_embedded_default_runs_from_another_directory_and_accounts_for_itself(tm
     assert load_config(["--config", str(out / "config.toml")]) == saved
 
 
+def test_the_code_run_is_the_scripts_own_whatever_the_current_directory_holds(tmp_path):
+    (tmp_path / "harness").mkdir()  # as inside another checkout of the project
+    (tmp_path / "harness" / "__init__.py").write_text("")
+    (tmp_path / "harness" / "launch.py").write_text("print('another checkout')\n")
+    result = run_train("--help", cwd=tmp_path)
+    assert result.returncode == 0 and "another checkout" not in result.stdout and "--training.steps" in result.stdout
+
+
 def test_cpu_threads_are_split_over_the_processes_and_wait_passively_unless_set():
     from harness.launch import cpu_thread_settings
 
