@@ -14,8 +14,13 @@
 #   RDZV_ID    a job id shared by the nodes (default: qwen35). Under SLURM, run this script once per node
 #              with RDZV_ENDPOINT=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):29500.
 #   LOG_RANK   ranks whose output is shown (default 0; e.g. 0,1).
-# Exit codes: 0 done, 2 bad input (one `error:` line), 3 diverged (NaN / inf loss).
+# Exit codes: 0 done (or stopped by SIGTERM, saved first), 2 bad input (one `error:` line) or a dump folder another
+# run holds, 3 diverged (NaN / inf loss), 130 interrupted (Ctrl-C, or SIGINT sent to this script's process: saved
+# first when checkpointing is on).
 set -euo pipefail
+# SIGINT before the launcher runs: without a trap bash would let the check below (which ends normally) have it,
+# and go on to start the launcher
+trap 'echo "interrupted while starting; nothing saved" >&2; exit 130' INT
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
 
@@ -24,4 +29,7 @@ if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec
   exit 2
 fi
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+# `python -m` would import from the current directory first: run from inside another checkout (or any folder with a
+# harness/ of its own), the launcher and its workers would silently run that code instead of this script's
+export PYTHONSAFEPATH=1
 exec "$PYTHON" -m harness.launch "$@"

@@ -9,6 +9,11 @@
   lines are held back and shown only when a worker failed without saying why (a crash). A worker that stops
   for a known reason (2 bad input, 3 divergence, 0 SIGTERM, 130 Ctrl-C) leaves its code in QWEN35_EXIT_DIR
   and the launcher exits with it, after the worker's one line, without torchrun's traceback.
+- Signals: torchrun and its workers run in a process group of their own, so a terminal's Ctrl-C reaches this launcher
+  alone, as `kill -INT <launcher pid>` does; the launcher passes SIGINT and SIGTERM on to each worker once
+  (`SignalForwarder`): one Ctrl-C saves and exits 130, a second stops at once, SIGTERM saves and exits 0, whatever
+  the number of processes. (Had torchrun received the terminal's Ctrl-C as well, it would have passed on a second
+  one, which a worker takes for "stop now, without saving".)
 - CPU runs get their threads chosen, unless OMP_NUM_THREADS / OMP_WAIT_POLICY are set: the usable cores
   split evenly over this node's processes, and OpenMP threads that sleep rather than spin while they wait
   (`cpu_thread_settings`).
@@ -28,7 +33,7 @@ from pathlib import Path
 
 from .config import ConfigError, with_default_config
 from .preflight import check_launch
-from .train import BAD_INPUT, INTERRUPTED, STARTING
+from .train import BAD_INPUT, INTERRUPTED, PID_FILE, STARTING, STOP_FILE
 
 def visible_gpus() -> int:
     """GPUs this process may use, counted without importing torch (CUDA_VISIBLE_DEVICES, else the driver's list)."""
@@ -51,6 +56,9 @@ def cpu_thread_settings(procs_per_node: int, environ: dict[str, str]) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGINT stops a launch also where it started ignored (a job put in the background by a script): sent to the
+    # launcher, it is a Ctrl-C, as the workers take it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         from .config_help import config_help
@@ -81,26 +89,90 @@ def run_torchrun(argv: list[str], nproc: int, nnodes: int) -> int:
            "--role=rank", "--tee=3", "-m", "harness.train", *argv]
     env = {**os.environ, "QWEN35_EXIT_DIR": exit_dir}
     held = []  # torchrun's own stderr lines: its traceback after a worker fails, start-up warnings
+    forward = SignalForwarder(Path(exit_dir))
+    # Caught from before torchrun starts: a signal in between is passed on once it runs.
+    handlers = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in (signal.SIGHUP, signal.SIGQUIT):  # a closed terminal, Ctrl-\: torchrun ends its workers
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # (under nohup SIGHUP stays ignored)
+            handlers[signum] = signal.signal(signum, forward.to_torchrun)
     try:
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
-        # Ctrl-C reaches torchrun and the workers too (one process group): they stop, save and say so; keep
-        # relaying their lines meanwhile. A SIGTERM sent to this launcher alone is passed on to torchrun.
-        signal.signal(signal.SIGINT, lambda *_: None)
-        signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
+        forward.started(proc)
         for line in proc.stderr:
             if line.startswith("[rank"):  # a worker's line, tee'd by torchrun
                 sys.stderr.write(line)
             else:
                 held.append(line)
         returncode = proc.wait()
-        codes = [int(p.read_text()) for p in Path(exit_dir).iterdir()]
+        codes = [int(p.read_text()) for p in Path(exit_dir).glob("rank*")]
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         shutil.rmtree(exit_dir, ignore_errors=True)
     if returncode != 0 and codes:  # the workers stopped for a known reason (torchrun reports any stop as failed)
         return max(codes)  # every rank reports the same reason; the larger code wins if they differ
+    if returncode != 0 and forward.received is not None:  # stopped before any worker could say so
+        interrupted = forward.received == signal.SIGINT
+        print(STARTING if interrupted else "stopped on SIGTERM while starting; nothing saved", file=sys.stderr)
+        return INTERRUPTED if interrupted else 0
     if returncode != 0:
         sys.stderr.writelines(held)
     return returncode
+
+
+class SignalForwarder:
+    """Passes SIGINT and SIGTERM, received by the launcher, on to this node's workers, each signal to each worker once.
+
+    Straight to the workers, by the pids they leave in QWEN35_EXIT_DIR as they start (`worker_pids`), not through
+    torchrun: torchrun would pass the signal on too, but then kill any worker still saving 30 s later. A worker not
+    yet started finds the request in the folder's `stop` file, written first, and sends itself the signal
+    (harness/train.py): no worker misses it, whenever it starts. torchrun is signalled only while no worker has
+    started (it may be waiting for other nodes, and is to stop waiting), once: a second signal would end torchrun at
+    once, leaving its workers behind."""
+
+    def __init__(self, exit_dir: Path):
+        self.exit_dir = exit_dir
+        self.torchrun: subprocess.Popen | None = None
+        self.received: int | None = None  # the first signal received
+        self.torchrun_signalled = False
+
+    def started(self, torchrun: subprocess.Popen) -> None:
+        self.torchrun = torchrun
+        if self.received is not None:  # received while torchrun was starting
+            self._signal_torchrun_if_no_worker_runs(self.received)
+
+    def __call__(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            write_whole(self.exit_dir / STOP_FILE, str(signum))
+        for pid in worker_pids(self.exit_dir):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # it has ended already
+                pass
+        if self.torchrun is not None:
+            self._signal_torchrun_if_no_worker_runs(signum)
+
+    def _signal_torchrun_if_no_worker_runs(self, signum: int) -> None:
+        if not worker_pids(self.exit_dir) and not self.torchrun_signalled and self.torchrun.poll() is None:
+            self.torchrun_signalled = True
+            self.torchrun.send_signal(signum)
+
+    def to_torchrun(self, signum: int, frame) -> None:
+        if self.torchrun is not None and self.torchrun.poll() is None:
+            self.torchrun.send_signal(signum)
+
+
+def worker_pids(exit_dir: Path) -> list[int]:
+    """The pids this node's workers have recorded (each file written whole: `write_whole`)."""
+    return [int(p.read_text()) for p in exit_dir.glob(f"{PID_FILE}*")]
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path` by a rename, so that no reader sees part of it."""
+    tmp = path.with_name(f"tmp.{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ rank 0 alone under torchrun; a dump folder another run holds (harness/run_lock.p
 resumed, a machine that cannot run the kernels, or bad data met while training); 3 diverged (NaN / inf loss;
 nothing saved for that step); 130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice);
 143 stopped by SIGTERM while starting, before the first step (one line; nothing to save yet, and a dataset cache
-being built leaves no temporary folder). Under a launcher that sets
-QWEN35_EXIT_DIR, a rank that stops for one of these reasons writes its code there, so the launcher can exit
-with it instead of torchrun's generic 1.
+being built leaves no temporary folder). Under a launcher that sets QWEN35_EXIT_DIR, each rank writes its pid there
+as it starts, so the launcher can pass signals on to it, and a rank that stops for one of these reasons writes its
+code there, so the launcher can exit with it instead of torchrun's generic 1.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .preflight import check_launch
 
 BAD_INPUT, DIVERGED, INTERRUPTED, TERMINATED_STARTING = 2, 3, 130, 143  # 143: 128 + SIGTERM, as the shell reports
 STARTING = "interrupted while starting; nothing saved"
+PID_FILE, STOP_FILE = "pid.rank", "stop"  # in QWEN35_EXIT_DIR: a rank's pid; the signal the launcher received
 TERMINATED_WHILE_STARTING = "stopped on SIGTERM while starting; nothing saved"
 
 
@@ -40,14 +41,20 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():  # until trainer.stop.install() replaces it
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        _record_pid()  # may take a signal the launcher received before this rank started
+    except KeyboardInterrupt:
+        return _stop(INTERRUPTED, STARTING)
+    except Terminated:
+        return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         from .config_help import config_help
 
         print(config_help(argv))
         return 0
-    if threading.current_thread() is threading.main_thread():  # until trainer.stop.install() replaces it
-        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         cfg = check_launch(argv, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:  # the same on every rank: rank 0 names it
@@ -124,6 +131,23 @@ def _fail(code: int, err: Exception, shared: bool = False) -> int:
         print(f"error: {err}", file=sys.stderr, flush=True)
     _record_exit(code)
     return code
+
+
+def _record_pid() -> None:
+    """Under the launcher: this rank's pid, for it to pass signals on (harness/launch.py, SignalForwarder), written
+    whole by a rename; then the signal it received before it knew this rank, if any, taken now."""
+    exit_dir = os.environ.get("QWEN35_EXIT_DIR")
+    if not exit_dir:
+        return
+    name = f"{PID_FILE}{os.environ.get('RANK', '0')}"
+    with open(os.path.join(exit_dir, f"tmp.{name}"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(exit_dir, f"tmp.{name}"), os.path.join(exit_dir, name))
+    try:  # the launcher writes `stop` before it reads the pids: it has signalled this rank, or this rank sees it
+        with open(os.path.join(exit_dir, STOP_FILE)) as f:
+            os.kill(os.getpid(), int(f.read()))
+    except FileNotFoundError:
+        pass
 
 
 def _record_exit(code: int) -> None:

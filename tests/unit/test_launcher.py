@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +57,7 @@ def test_an_unknown_key_a_wrong_type_and_a_missing_path_are_one_error_line(tmp_p
 
 def test_a_bad_config_under_torchrun_itself_is_one_error_line_not_one_per_rank(tmp_path):
     """torchrun started by hand, without the launcher's check first: every rank finds the same problems; rank 0
-    names them, the others exit with the same code."""
+    names them, the others exit with the same code, silently."""
     exits = tmp_path / "exits"  # each rank's exit code (as under the launcher)
     exits.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "QWEN35_EXIT_DIR": str(exits)}
@@ -65,7 +67,8 @@ def test_a_bad_config_under_torchrun_itself_is_one_error_line_not_one_per_rank(t
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
     assert errors == ["error: command line: unknown option --training.stesp (did you mean --training.steps?)"]
-    assert sorted((p.name, p.read_text()) for p in exits.iterdir()) == [("rank0", "2"), ("rank1", "2")]
+    codes = {p.name: p.read_text() for p in exits.glob("rank*")}  # torchrun may end rank 1 before it records its own
+    assert codes["rank0"] == "2" and set(codes.values()) == {"2"}
 
 
 @pytest.mark.parametrize("ngpu", ["1", "2"])
@@ -76,6 +79,60 @@ def test_divergence_exits_3_with_the_workers_error_and_no_launcher_traceback(ngp
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors and "error: step" in errors[0]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+def test_sigint_sent_to_the_launcher_alone_saves_and_exits_130_with_two_processes(tmp_path):
+    """`kill -INT <launcher pid>`, not the terminal's Ctrl-C to the whole process group: the launcher passes it on to
+    each worker once; they save, stop together, and the launcher exits 130 after one line, as after Ctrl-C."""
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    run = [*FAST, "--training.steps", "20", "--metrics.log_freq", "1", "--checkpoint.enable", "true",
+           "--checkpoint.interval", "100", "--checkpoint.export_hf_at_end", "false", "--job.dump_folder",
+           str(tmp_path / "o")]
+    launcher = subprocess.Popen([RUN_TRAIN, *run], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # a process group of its own, as a shell job has
+    for line in launcher.stdout:
+        if re.search(r"step +1/20", line):
+            os.kill(launcher.pid, signal.SIGINT)
+            break
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if "interrupted at step" in line]
+    assert len(lines) == 1 and "saved checkpoint" in lines[0], err[-3000:]
+    step = int(re.search(r"interrupted at step (\d+)", lines[0]).group(1))
+    assert step < 20 and (tmp_path / "o" / "checkpoint" / f"step-{step}" / "COMPLETE").is_file()
+    assert "Traceback" not in err
+
+
+def test_the_launcher_signals_each_worker_once_and_one_not_yet_started_signals_itself(tmp_path):
+    """SignalForwarder: a signal goes to the workers that have left their pid, and to torchrun only while none has
+    (it may be waiting for other nodes); a worker that starts later finds it in the `stop` file and takes it then
+    (harness.train: one line, exit 130)."""
+    from harness.launch import SignalForwarder
+
+    counting = ("import os, signal, sys, time; got = []; signal.signal(signal.SIGINT, lambda *a: got.append(1)); "
+                "open(os.environ['QWEN35_EXIT_DIR'] + '/pid.rank0', 'w').write(str(os.getpid())); print(flush=True); "
+                "time.sleep(0.5); print(len(got))")
+    for folder in (tmp_path / "started", tmp_path / "starting"):
+        folder.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(REPO), "QWEN35_EXIT_DIR": str(folder), "RANK": "0"}
+        torchrun = subprocess.Popen(["sleep", "30"])
+        try:
+            forward = SignalForwarder(folder)
+            forward.started(torchrun)
+            if folder.name == "started":
+                worker = subprocess.Popen([sys.executable, "-c", counting], env=env, stdout=subprocess.PIPE, text=True)
+                worker.stdout.readline()  # its pid is recorded
+                forward(signal.SIGINT, None)
+                assert worker.communicate(timeout=60)[0].strip() == "1" and torchrun.poll() is None
+            else:
+                forward(signal.SIGINT, None)
+                assert torchrun.wait(timeout=60) == -signal.SIGINT
+                late = subprocess.run([sys.executable, "-m", "harness.train", "--job.dump_folder", str(folder / "o")],
+                                      env=env, capture_output=True, text=True, timeout=60)
+                assert late.returncode == 130 and late.stderr == "interrupted while starting; nothing saved\n"
+                assert (folder / "rank0").read_text() == "130"
+        finally:
+            torchrun.kill()
 
 
 def test_help_lists_every_key_with_the_runs_value_the_builtin_default_and_comment():
@@ -117,6 +174,14 @@ def test_embedded_default_runs_from_another_directory_and_accounts_for_itself(tm
     assert saved.training.steps == 2 and saved.training.seq_len == 64
     assert saved.training.dataset_path == str(REPO / "data" / "debug_corpus" / "train.jsonl")
     assert load_config(["--config", str(out / "config.toml")]) == saved
+
+
+def test_the_code_run_is_the_scripts_own_whatever_the_current_directory_holds(tmp_path):
+    (tmp_path / "harness").mkdir()  # as inside another checkout of the project
+    (tmp_path / "harness" / "__init__.py").write_text("")
+    (tmp_path / "harness" / "launch.py").write_text("print('another checkout')\n")
+    result = run_train("--help", cwd=tmp_path)
+    assert result.returncode == 0 and "another checkout" not in result.stdout and "--training.steps" in result.stdout
 
 
 def test_cpu_threads_are_split_over_the_processes_and_wait_passively_unless_set():
