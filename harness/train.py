@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunLockError as err:  # rank 0's verdict, raised on every rank
         code = _fail(BAD_INPUT, err, shared=True)
     except (FlaKernelsUnavailableError, CheckpointError, DataError) as err:  # the machine, dump folder or data
-        code = _fail(BAD_INPUT, err)
+        code = _fail(BAD_INPUT, err, shared=getattr(err, "every_rank", False))
     except KeyboardInterrupt:
         code = _stop(INTERRUPTED, STARTING)
     except Terminated:
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDivergedError as err:
         return _fail(DIVERGED, err)
     except (DataError, CheckpointError) as err:  # a damaged row of the cache; a save the file system refused
-        return _fail(BAD_INPUT, err)
+        return _fail(BAD_INPUT, err, shared=getattr(err, "every_rank", False))
     except TrainingStopped as stopped:
         return _stop(0 if stopped.reason == TERMINATED else INTERRUPTED, str(stopped))
     except KeyboardInterrupt:  # a second Ctrl-C: no save

@@ -75,7 +75,12 @@ ABANDONED = "abandoned-"  # + UTC time: checkpoints moved aside by a rollback or
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed or written: missing, incomplete, corrupt, saved for another model, or a
-    file system that refused the write. train.py turns it into one `error:` line and exit 2."""
+    file system that refused the write. train.py turns it into one `error:` line and exit 2: from rank 0 alone when
+    `every_rank` (a verdict all ranks reached together), else from each rank that met it."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 def _step_dirs(folder: Path) -> dict[int, Path]:
@@ -135,7 +140,7 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
     if load_step >= 0 and load_step not in complete:
         shown = ", ".join(f"step-{s}" for s in sorted(complete)) or "none"
         raise CheckpointError(f"checkpoint.load_step = {load_step}: {folder / f'step-{load_step}'} is not a complete "
-                              f"checkpoint (complete ones: {shown})")
+                              f"checkpoint (complete ones: {shown})", every_rank=True)
     candidates = [load_step] if load_step >= 0 else sorted(complete, reverse=True)
     failed = []
     for step in candidates:
@@ -149,7 +154,7 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
         what = (f"pick another checkpoint.load_step (complete ones: {', '.join(f'step-{s}' for s in sorted(complete))})"
                 if load_step >= 0 else f"no checkpoint in {folder} verifies: restore one, or start afresh in another "
                                        "job.dump_folder")
-        raise CheckpointError("; ".join(failed) + f"; {what}")
+        raise CheckpointError("; ".join(failed) + f"; {what}", every_rank=True)
     if rank == 0:
         for line in failed:
             logger.warning("%s; resuming from step-%d", line, step)
@@ -165,7 +170,7 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
                 error = f"cannot move {', '.join(p.name for p in newer)} aside in {folder} ({why}): {e}"
         error = agreed(error, group)
         if error is not None:
-            raise CheckpointError(error)
+            raise CheckpointError(error, every_rank=True)
     return step
 
 
@@ -288,7 +293,7 @@ class Checkpointer:
                 error = _one_line(e)
         error = agreed(error, self.async_group)
         if error is not None:
-            raise CheckpointError(self._save_error(step, path, error))
+            raise CheckpointError(self._save_error(step, path, error), every_rank=True)
         start = time.perf_counter()
         state = self._state_dict(step, tb_run)
         if self.async_mode == "async":
@@ -359,7 +364,7 @@ class Checkpointer:
                 error = _one_line(e)
         error = agreed(error, self.async_group)
         if error is not None:
-            raise CheckpointError(self._save_error(step, path, error))
+            raise CheckpointError(self._save_error(step, path, error), every_rank=True)
         if self.rank == 0:
             self._prune(keep=step)
         self._barrier()

@@ -127,7 +127,7 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
             shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
         raise CheckpointError(f"cannot write the Hugging Face folder {folder}: {error}; nothing was replaced there. "
                               "Free space (or fix the file system), then export again (python -m harness.convert "
-                              "converts a checkpoint step)")
+                              "converts a checkpoint step)", every_rank=True)
 
 
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,

@@ -172,11 +172,14 @@ def on_every_rank(step: Callable[[], T], what: str) -> T:
     failure = None if error is None else (isinstance(error, DataError), f"{type(error).__name__}: {error}")
     failures = _all_gather(failure)
     if error is not None:
+        error.every_rank = True  # every rank knows: rank 0 names it (harness/train.py)
         raise error
     for rank, failure in enumerate(failures):
         if failure is not None:
             is_data_error, message = failure
-            raise (DataError if is_data_error else RuntimeError)(f"{what} failed on rank {rank}: {message}")
+            raised = (DataError if is_data_error else RuntimeError)(f"{what} failed on rank {rank}: {message}")
+            raised.every_rank = True
+            raise raised
     return result
 
 

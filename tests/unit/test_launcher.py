@@ -55,18 +55,27 @@ def test_an_unknown_key_a_wrong_type_and_a_missing_path_are_one_error_line(tmp_p
         "'/nope' does not exist; set it in the config file or with --training.dataset_path PATH"]
 
 
-def test_a_bad_config_under_torchrun_itself_is_one_error_line_not_one_per_rank(tmp_path):
-    """torchrun started by hand, without the launcher's check first: every rank finds the same problems; rank 0
-    names them, the others exit with the same code, silently."""
+@pytest.mark.parametrize("bad", ["config", "data"])
+def test_bad_input_under_torchrun_itself_is_one_error_line_not_one_per_rank(bad, tmp_path):
+    """torchrun started by hand, without the launcher's check first (nor its filter of rank 0's output): every rank
+    finds the same problems in the config, or learns of the bad line a rank met while the ranks tokenize together;
+    rank 0 names them, the others exit with the same code, silently."""
     exits = tmp_path / "exits"  # each rank's exit code (as under the launcher)
     exits.mkdir()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a fine document"}\n{"text": "cut off\n' + '{"text": "another"}\n' * 40)
+    flags = (["--training.stesp", "5"] if bad == "config" else
+             ["--training.dataset_path", str(data), "--training.dataset", "jsonl", "--training.steps", "1"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "QWEN35_EXIT_DIR": str(exits)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "harness.train",
-                             "--training.stesp", "5", "--job.dump_folder", str(tmp_path / "o")],
+                             *flags, "--job.dump_folder", str(tmp_path / "o")],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
-    assert errors == ["error: command line: unknown option --training.stesp (did you mean --training.steps?)"]
+    if bad == "config":
+        assert errors == ["error: command line: unknown option --training.stesp (did you mean --training.steps?)"]
+    else:
+        assert len(errors) == 1 and f"{data}:2: not a JSON object" in errors[0], errors
     codes = {p.name: p.read_text() for p in exits.glob("rank*")}  # torchrun may end rank 1 before it records its own
     assert codes["rank0"] == "2" and set(codes.values()) == {"2"}
 
