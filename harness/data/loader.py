@@ -38,6 +38,9 @@ in a background thread. Their rows therefore DO depend on the number of data-par
 resumes only at the same DP rank and degree, by skipping (reading without tokenizing) the consumed documents.
 
 Context-parallel ranks of one DP rank pass the same dp_rank and get the same rows; they split them later.
+
+Chat data (data_format "chat", harness/data/chat.py) goes through the same cache, with a target flag per token beside
+the tokens, and is packed otherwise: whole conversations in padded rows (harness/data/chat_packing.py).
 """
 
 from __future__ import annotations
@@ -55,8 +58,11 @@ import numpy as np
 import torch
 
 from . import token_cache
+from .chat import ChatEncoder, ChatOptions, chat_identity
+from .chat_packing import cache_layout, chat_window, layout_summary, pad_id_of
 from .errors import DataError
-from .sources import SOURCE_SUFFIXES, Skipped, check_source, hf_documents, read_unit, source_files, source_units
+from .sources import (SOURCE_SUFFIXES, Row, Skipped, check_source, hf_documents, read_unit, source_files,
+                      source_units)
 from .token_cache import TokenCache, Verify
 
 logger = logging.getLogger(__name__)
@@ -67,25 +73,32 @@ PREFETCH_BATCHES = 4  # hf: batches packed ahead of the training step
 _END = object()  # end of a pass over the documents
 
 
-def _source_identity(kind: str, files: list[Path], text_field: str) -> dict:
-    """What the cache key hashes: any change of file, size or mtime gives a new cache."""
+def _source_identity(kind: str, files: list[Path], text_field: str, chat: dict | None = None) -> dict:
+    """What the cache key hashes: any change of file, size or mtime gives a new cache; for chat data also the chat
+    keys and the chat template's text (`chat`, harness/data/chat.py's chat_identity)."""
     stats = [(f.resolve(), f.stat()) for f in files]
-    return {"kind": kind, "text_field": None if kind == "text" else text_field,
-            "files": [{"path": str(p), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns} for p, s in stats]}
+    identity = {"kind": kind, "text_field": None if kind == "text" or chat else text_field,
+                "files": [{"path": str(p), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns} for p, s in stats]}
+    return {**identity, **chat} if chat else identity
 
 
 def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir: str | Path,
-                     verify: Verify = "quick") -> TokenCache:
+                     verify: Verify = "quick", chat: ChatOptions | None = None,
+                     encoder: ChatEncoder | None = None) -> TokenCache:
     """The token cache of a local source, built first if absent, then checked (collective: see
-    harness/data/token_cache.py)."""
+    harness/data/token_cache.py). Chat data: `chat` and its `encoder`; `text_field` is then the messages field."""
+    chat_id = chat_identity(tokenizer.path, chat) if chat else None
+
     def list_units():
         files = source_files(Path(path), SOURCE_SUFFIXES[kind])
-        return _source_identity(kind, files, text_field), source_units(kind, files, UNIT_BYTES)
+        return _source_identity(kind, files, text_field, chat_id), source_units(kind, files, UNIT_BYTES)
 
     # A rank that cannot list the files (a path missing on one node) fails every rank instead of hanging them.
     source, units = token_cache.on_every_rank(list_units, f"listing the {kind} files of {path}")
     read = functools.partial(read_unit, kind, text_field=text_field)
-    return token_cache.load_or_build(cache_dir, source, units, read, tokenizer, verify)
+    if chat:
+        read = functools.partial(read, rows=True)
+    return token_cache.load_or_build(cache_dir, source, units, read, tokenizer, verify, encoder)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,19 +129,27 @@ def _check_shape_args(seq_len: int, batch_size: int, dp_rank: int, dp_world_size
 
 
 class TokenCacheLoader:
-    """The global rows of a token cache, dealt to data-parallel ranks; exactly resumable at any DP degree."""
+    """The global rows of a token cache, dealt to data-parallel ranks; exactly resumable at any DP degree.
+    Subclasses lay the rows out otherwise (`_count_rows`, `_row`): harness/data/chat_packing.py."""
+
+    packing = "text"  # how rows are cut from the cache: a saved position resumes only rows packed the same way
 
     def __init__(self, cache: TokenCache, seq_len: int, batch_size: int, dp_rank: int = 0, dp_world_size: int = 1,
                  infinite: bool = True):
         _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
         self.cache, self.seq_len, self.batch_size = cache, seq_len, batch_size
         self.dp_rank, self.dp_world_size, self.infinite = dp_rank, dp_world_size, infinite
-        self.num_rows = max(len(cache.tokens) - 1, 0) // seq_len  # row k needs tokens up to k*L + L
-        if self.num_rows == 0:
-            raise DataError(f"dataset cache {cache.folder} holds {len(cache.tokens)} tokens, too few for one row "
-                             f"of seq_len {seq_len} (needs {seq_len + 1}); use more data or a shorter seq_len")
+        self.num_rows = self._count_rows()
         self.next_row = 0  # global rows consumed by all DP ranks together: the whole resumable state
         self._epoch_logged = 0
+
+    def _count_rows(self) -> int:
+        num_rows = max(len(self.cache.tokens) - 1, 0) // self.seq_len  # row k needs tokens up to k*L + L
+        if num_rows == 0:
+            raise DataError(f"dataset cache {self.cache.folder} holds {len(self.cache.tokens)} tokens, too few for "
+                            f"one row of seq_len {self.seq_len} (needs {self.seq_len + 1}); use more data or a "
+                            f"shorter seq_len")
+        return num_rows
 
     @property
     def epoch(self) -> int:
@@ -186,6 +207,10 @@ class TokenCacheLoader:
             raise DataError("the saved data loader state has no 'next_row': it was saved by a loader of a streamed "
                             "(hf) dataset or by an older version, and cannot resume the local dataset of this run")
         _check_state_keys(sd, {"next_row": int, "seq_len": int, "tokenizer_id": str, "stream_id": str})
+        if sd.get("packing", "text") != self.packing:
+            raise DataError(f"the saved data position is in rows packed as {sd.get('packing', 'text')!r}, this run "
+                            f"packs them as {self.packing!r}: rows would not line up; resume with the same "
+                            f"training.data_format and training.chat_overlong")
         if sd["seq_len"] != self.seq_len:
             raise DataError(f"the saved data position is in rows of seq_len {sd['seq_len']}, this run has seq_len "
                             f"{self.seq_len}: rows would not line up; resume with the same training.seq_len")
@@ -283,6 +308,9 @@ class StreamPacker:
         if not isinstance(sd, dict) or "doc_index" not in sd:
             raise DataError("the saved data loader state has no 'doc_index': it was saved by a loader of a local "
                             "(cached) dataset and cannot resume the streamed (hf) dataset of this run")
+        if sd.get("format") == "chat":
+            raise DataError("the saved data loader state is that of a streamed chat dataset and cannot resume the "
+                            "streamed text dataset of this run; resume with the same training.data_format")
         _check_state_keys(sd, {"epoch": int, "doc_index": int, "dp_rank": int, "dp_world_size": int, "seq_len": int,
                                "tokens": list, "doc_starts": list})
         if (sd["dp_rank"], sd["dp_world_size"]) != (self.dp_rank, self.dp_world_size):
@@ -297,6 +325,129 @@ class StreamPacker:
         self._starts = [False] * len(self._tokens)
         for i in sd["doc_starts"]:
             self._starts[i] = True
+        self._docs = None  # reopened at doc_index on the next read
+
+
+def chat_row(pieces: list[tuple[np.ndarray, np.ndarray]], row_tokens: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One row of whole conversations (harness/data/chat_packing.py): the packed row of their padded window, with
+    every label that is not a target of the same conversation set to -100."""
+    window, starts, targets = chat_window(pieces, row_tokens, pad_id)
+    row = packed_row(torch.from_numpy(window), torch.from_numpy(starts))
+    row["labels"][~torch.from_numpy(targets[1:])] = IGNORE_INDEX
+    return row
+
+
+class ChatCacheLoader(TokenCacheLoader):
+    """The global chat rows of a token cache with targets, laid out by harness/data/chat_packing.py (whole
+    conversations, padded rows), dealt and resumed as TokenCacheLoader's rows (`next_row`)."""
+
+    def __init__(self, cache: TokenCache, seq_len: int, batch_size: int, dp_rank: int = 0, dp_world_size: int = 1,
+                 infinite: bool = True, overlong: str = "drop", pad_id: int = 0):
+        if cache.targets is None:
+            raise ValueError(f"dataset cache {cache.folder} has no targets.bin: it is not a cache of chat data")
+        self.overlong, self.pad_id = overlong, pad_id
+        self.packing = f"chat, chat_overlong {overlong}"
+        super().__init__(cache, seq_len, batch_size, dp_rank, dp_world_size, infinite)
+
+    def _count_rows(self) -> int:
+        self.layout = cache_layout(self.cache, self.seq_len + 1, self.overlong)
+        if token_cache.rank_and_world()[0] == 0:  # once per run, not once per rank
+            logger.info(f"data: chat rows of {self.cache.folder}: "
+                        + layout_summary(self.layout, self.cache, self.seq_len + 1, self.overlong))
+        return self.layout.num_rows
+
+    def _row(self, k: int) -> dict[str, torch.Tensor]:
+        layout, cache = self.layout, self.cache
+        first, stop = int(layout.row_first[k]), int(layout.row_first[k + 1])
+        pieces = []
+        for doc, n in zip(layout.docs[first:stop].tolist(), layout.taken[first:stop].tolist()):
+            lo = int(cache.doc_starts[doc])
+            pieces.append((cache.tokens[lo: lo + n].astype(np.int64), cache.targets[lo: lo + n]))
+        # As for text rows: the cache was checked by sample, so each row read is checked too.
+        high = max(int(ids.max()) for ids, _ in pieces)
+        if high >= cache.vocab_size:
+            raise self._damaged(k, f"holds token id {high}, outside the tokenizer's vocabulary of {cache.vocab_size}")
+        if max(int(flags.max()) for _, flags in pieces) > 1:
+            raise self._damaged(k, "holds target flags other than 0 and 1")
+        return chat_row(pieces, self.seq_len + 1, self.pad_id)
+
+    def _damaged(self, k: int, what: str) -> DataError:
+        return DataError(f"dataset cache {self.cache.folder} is damaged: chat row {k} {what}. Delete the folder "
+                         f"(rm -r {self.cache.folder}) and the next run rebuilds it from the dataset")
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "packing": self.packing}
+
+
+class ChatStreamPacker(StreamPacker):
+    """Chat rows of one DP rank of a Hugging Face stream, packed as they come (harness/data/chat_packing.py); plain
+    and exactly resumable: the state is the documents read and the conversation that did not fit the last row."""
+
+    def __init__(self, documents: Callable[[], Iterable[Row]], encoder: ChatEncoder, seq_len: int, batch_size: int,
+                 dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True, overlong: str = "drop",
+                 pad_id: int = 0):
+        super().__init__(documents, None, seq_len, batch_size, dp_rank, dp_world_size, infinite)
+        self.encoder, self.overlong, self.pad_id = encoder, overlong, pad_id
+        self._carry: tuple[list[int], list[int]] | None = None  # read, but not yet placed in a row
+        self.dropped = self.truncated = 0
+
+    def _next_row(self) -> dict[str, torch.Tensor]:
+        R, pieces, fill = self.seq_len + 1, [], 0
+        while fill < R:
+            if self._carry is None:
+                self._carry = self._next_conversation()
+            if fill + len(self._carry[0]) > R:
+                break
+            pieces.append(self._carry)
+            fill += len(self._carry[0])
+            self._carry = None
+        return chat_row([(np.asarray(ids), np.asarray(flags, dtype=bool)) for ids, flags in pieces], R, self.pad_id)
+
+    def _next_conversation(self) -> tuple[list[int], list[int]]:
+        R = self.seq_len + 1
+        while True:
+            row = self._next_document()
+            encoded = row if isinstance(row, Skipped) else self.encoder(row)
+            self.encoder.finish()  # ids that differ from apply_chat_template's stop the stream at once
+            if isinstance(encoded, Skipped):
+                self.skipped += 1
+                if self.skipped in (1, 10, 100) or self.skipped % 1000 == 0:
+                    logger.warning(f"data: dp rank {self.dp_rank} left out {self.skipped} conversations that cannot "
+                                   f"be trained on so far (the latest: {encoded.locate()}: {encoded.reason})")
+                continue
+            ids, flags = encoded
+            if len(ids) <= R:
+                return ids, flags
+            if self.overlong == "truncate":
+                self.truncated += 1
+                return ids[:R], flags[:R]
+            self.dropped += 1
+            if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                logger.warning(f"data: dp rank {self.dp_rank} dropped {self.dropped} conversations longer than "
+                               f"seq_len + 1 = {R} tokens so far (training.chat_overlong = 'drop')")
+
+    def state_dict(self) -> dict:
+        carry = None if self._carry is None else [list(self._carry[0]), list(self._carry[1])]
+        return {"format": "chat", "epoch": self.epoch, "doc_index": self.doc_index, "dp_rank": self.dp_rank,
+                "dp_world_size": self.dp_world_size, "seq_len": self.seq_len, "chat_overlong": self.overlong,
+                "carry": carry}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or sd.get("format") != "chat":
+            raise DataError("the saved data loader state is not that of a streamed chat dataset: it was saved by a "
+                            "text or local (cached) data loader and cannot resume the chat stream of this run")
+        _check_state_keys(sd, {"epoch": int, "doc_index": int, "dp_rank": int, "dp_world_size": int, "seq_len": int,
+                               "chat_overlong": str})
+        if (sd["dp_rank"], sd["dp_world_size"]) != (self.dp_rank, self.dp_world_size):
+            raise DataError(f"the saved data position of dp rank {sd['dp_rank']} of {sd['dp_world_size']} cannot "
+                            f"resume dp rank {self.dp_rank} of {self.dp_world_size}: streamed (hf) datasets are "
+                            f"sharded by rank, so resume with the same data-parallel degree")
+        if (sd["seq_len"], sd["chat_overlong"]) != (self.seq_len, self.overlong):
+            raise DataError(f"the saved data position was saved with seq_len {sd['seq_len']} and chat_overlong "
+                            f"{sd['chat_overlong']!r}, this run has {self.seq_len} and {self.overlong!r}; resume with "
+                            f"the same training.seq_len and training.chat_overlong")
+        self.epoch, self.doc_index = sd["epoch"], sd["doc_index"]
+        self._carry = None if sd["carry"] is None else (list(sd["carry"][0]), list(sd["carry"][1]))
         self._docs = None  # reopened at doc_index on the next read
 
 
@@ -352,7 +503,7 @@ class PrefetchingLoader:
             self.packer.load_state_dict(self._state)
 
     def state_dict(self) -> dict:
-        return {**self._state, "tokens": list(self._state["tokens"]), "doc_starts": list(self._state["doc_starts"])}
+        return {key: list(value) if isinstance(value, list) else value for key, value in self._state.items()}
 
     def load_state_dict(self, sd: dict) -> None:
         self.close()  # the thread owns the packer while it runs
@@ -388,14 +539,22 @@ def _put(out: queue.Queue, item, stop: threading.Event) -> bool:
 
 def build_dataloader(kind: str, path: str, text_field: str, tokenizer, seq_len: int, batch_size: int,
                      dp_rank: int = 0, dp_world_size: int = 1, cache_dir: str | Path | None = None,
-                     infinite: bool = True, cache_verify: Verify = "quick") -> TokenCacheLoader | PrefetchingLoader:
+                     infinite: bool = True, cache_verify: Verify = "quick", data_format: str = "text",
+                     chat: ChatOptions | None = None) -> TokenCacheLoader | PrefetchingLoader:
     """The trainer's entry point; collective over the whole world when torch.distributed is initialized.
 
     Local kinds need `cache_dir` (the trainer passes training.dataset_cache_dir) and give a TokenCacheLoader over
     the cache, checked as `cache_verify` says (training.dataset_cache_verify); "hf" ignores both and gives a
-    PrefetchingLoader over this DP rank's shard. Bad data is a DataError (see harness/data/sources.py)."""
+    PrefetchingLoader over this DP rank's shard. `data_format` "chat": conversations (`chat`: the chat keys, its
+    messages_field replaces `text_field`) rendered by the tokenizer's chat template, packed whole into padded rows
+    (harness/data/chat_packing.py). Bad data is a DataError (see harness/data/sources.py)."""
     check_source(kind, path)  # fail at build time, not at the first batch
     _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
+    if data_format == "chat":
+        return _build_chat_loader(kind, path, tokenizer, seq_len, batch_size, dp_rank, dp_world_size, cache_dir,
+                                  infinite, cache_verify, chat or ChatOptions())
+    if data_format != "text":
+        raise ValueError(f"data_format {data_format!r}: expected 'text' or 'chat'")
     if kind == "hf":
         documents = functools.partial(hf_documents, path, text_field, dp_rank, dp_world_size)
         return PrefetchingLoader(StreamPacker(documents, tokenizer, seq_len, batch_size, dp_rank, dp_world_size,
@@ -405,3 +564,22 @@ def build_dataloader(kind: str, path: str, text_field: str, tokenizer, seq_len: 
                          f"that folder (the trainer passes training.dataset_cache_dir)")
     cache = load_token_cache(kind, path, text_field, tokenizer, cache_dir, cache_verify)
     return TokenCacheLoader(cache, seq_len, batch_size, dp_rank, dp_world_size, infinite)
+
+
+def _build_chat_loader(kind: str, path: str, tokenizer, seq_len: int, batch_size: int, dp_rank: int,
+                       dp_world_size: int, cache_dir: str | Path | None, infinite: bool, cache_verify: Verify,
+                       chat: ChatOptions) -> TokenCacheLoader | PrefetchingLoader:
+    if kind == "text":
+        raise DataError("chat data is read from jsonl, parquet or hf datasets (rows holding a list of messages), "
+                        "not from text files; set training.dataset accordingly")
+    encoder = ChatEncoder(tokenizer, chat)  # a DataError when the tokenizer has no chat template
+    if kind == "hf":
+        documents = functools.partial(hf_documents, path, chat.messages_field, dp_rank, dp_world_size, rows=True)
+        return PrefetchingLoader(ChatStreamPacker(documents, encoder, seq_len, batch_size, dp_rank, dp_world_size,
+                                                  infinite, chat.overlong, pad_id_of(tokenizer)))
+    if cache_dir is None:
+        raise ValueError(f"a cache_dir is needed for the local {kind} dataset {path}: it is tokenized once into "
+                         f"that folder (the trainer passes training.dataset_cache_dir)")
+    cache = load_token_cache(kind, path, chat.messages_field, tokenizer, cache_dir, cache_verify, chat, encoder)
+    return ChatCacheLoader(cache, seq_len, batch_size, dp_rank, dp_world_size, infinite, chat.overlong,
+                           pad_id_of(tokenizer))

@@ -4,6 +4,8 @@
     source_units(kind, files, unit_bytes)       the work units of local files: byte ranges cut at document
                                                 boundaries, or parquet row groups; they depend on the files only
     read_unit(kind, unit, text_field)           the documents that start in one unit
+    read_unit(kind, unit, field, rows=True)     the whole records that start in one unit, as `Row`s (chat data:
+                                                `field` holds the messages; harness/data/chat.py renders them)
 
 Kinds:
   text     a .txt file or a folder of them (recursive, sorted); documents are separated by blank lines
@@ -15,7 +17,8 @@ bytes that are not UTF-8, a NUL byte (a binary file), a row without the text fie
 parquet file that parquet cannot read, a folder without files of the kind. A corrupted file is named, never
 trained on. The one row that is left out instead is a row whose text is null (JSON null, a parquet null): the
 reader yields `Skipped` for it, which the cache build and the stream packer count and report in one line.
-Packing the documents into rows is harness/data/loader.py's job.
+Whole records (`rows=True`) are fatal only where the file is damaged or `field` is missing; what the record holds
+is judged by its renderer (harness/data/chat.py). Packing the documents into rows is harness/data/loader.py's job.
 """
 
 from __future__ import annotations
@@ -31,14 +34,25 @@ from typing import Callable, Iterator, NamedTuple
 from .errors import DataError
 
 SOURCE_SUFFIXES = {"text": ".txt", "jsonl": ".jsonl", "parquet": ".parquet"}
+CHAT_ROW_COLUMNS = ("tools",)  # parquet columns read beside the messages of a chat row
 SOURCE_KINDS = (*SOURCE_SUFFIXES, "hf")
 _BINARY_HINT = "; is it a binary or compressed file? Datasets are read as plain UTF-8 text"
 
 
 class Skipped(NamedTuple):
-    """A row whose text is null: left out of the token stream, counted. `locate()` says where (file:line, row);
-    it is called for the first skipped row only, as finding a line number reads the file up to it."""
+    """A row left out of the token stream, counted: its text is null, or (`reason`) a conversation that cannot be
+    trained on. `locate()` says where (file:line, row); it is called for the first skipped row only, as finding a
+    line number reads the file up to it."""
 
+    locate: Callable[[], str]
+    reason: str | None = None  # None: a null text field
+
+
+class Row(NamedTuple):
+    """A whole record (`read_unit(..., rows=True)`): the JSON object, parquet row or Hugging Face row, and where it
+    is (`locate()`, as for Skipped)."""
+
+    value: dict
     locate: Callable[[], str]
 
 
@@ -105,10 +119,15 @@ def source_units(kind: str, files: list[Path], unit_bytes: int | None = None) ->
     return units
 
 
-def read_unit(kind: str, unit: WorkUnit, text_field: str = "text") -> Iterator[str | Skipped]:
+def read_unit(kind: str, unit: WorkUnit, text_field: str = "text", rows: bool = False) -> Iterator[str | Skipped | Row]:
+    """The documents that start in `unit`: the `text_field` strings, or with `rows` the whole records holding
+    `text_field` (jsonl and parquet only)."""
+    if rows and kind not in ("jsonl", "parquet"):
+        raise DataError(f"a {kind} dataset has no records; chat data is read from jsonl, parquet or hf datasets")
     readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
+    reader = {"jsonl": _jsonl_rows, "parquet": _parquet_rows}[kind] if rows else readers[kind]
     try:
-        yield from readers[kind](unit, text_field)
+        yield from reader(unit, text_field)
     except OSError as e:  # unreadable (permissions, an I/O error): bad input too, named
         raise DataError(f"{unit.file}: cannot be read ({e.strerror or e})") from None
 
@@ -140,7 +159,9 @@ def _text_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
             yield "".join(lines).rstrip("\n")
 
 
-def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]:
+def _jsonl_objects(unit: WorkUnit, holding: str) -> Iterator[tuple[dict, Callable[[], str]]]:
+    """Every JSON object starting in the unit, with its locator; a line that is not a JSON object (one `holding`
+    what the reader wants) is fatal."""
     with open(unit.file, "rb") as f:
         for offset, raw in _lines_from(f, _first_line_start(f, unit.start)):
             if offset >= unit.stop:
@@ -155,14 +176,26 @@ def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]
                                     f"at column {e.pos + 1}): a damaged or cut-off line?") from None
                 if not isinstance(row, dict):
                     raise DataError(f"{_where(unit.file, offset, i)}: a JSON {_json_type(row)}, not an object "
-                                    f"holding the text field {text_field!r}")
-                text = row.get(text_field)
-                if text is None and text_field in row:  # an explicit null: a row without text, not a damaged one
-                    yield Skipped(functools.partial(_where, unit.file, offset, i))
-                elif not isinstance(text, str):
-                    raise DataError(f"{_where(unit.file, offset, i)}: " + _field_problem(row, text_field))
-                else:
-                    yield text
+                                    f"holding {holding}")
+                yield row, functools.partial(_where, unit.file, offset, i)
+
+
+def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]:
+    for row, locate in _jsonl_objects(unit, f"the text field {text_field!r}"):
+        text = row.get(text_field)
+        if text is None and text_field in row:  # an explicit null: a row without text, not a damaged one
+            yield Skipped(locate)
+        elif not isinstance(text, str):
+            raise DataError(f"{locate()}: " + _field_problem(row, text_field))
+        else:
+            yield text
+
+
+def _jsonl_rows(unit: WorkUnit, field: str) -> Iterator[Row]:
+    for row, locate in _jsonl_objects(unit, f"the messages field {field!r}"):
+        if field not in row:  # the wrong field named in the config, most likely: fatal, unlike a bad value in it
+            raise DataError(f"{locate()}: " + _field_problem(row, field, "training.chat_messages_field"))
+        yield Row(row, locate)
 
 
 def _json_type(value) -> str:
@@ -170,12 +203,12 @@ def _json_type(value) -> str:
     return names.get(type(value), "null")
 
 
-def _field_problem(row: dict, text_field: str) -> str:
+def _field_problem(row: dict, text_field: str, key: str = "dataset_text_field") -> str:
     if text_field in row:
         return f"field {text_field!r} is a JSON {_json_type(row[text_field])}, not a string"
     keys = ", ".join(repr(k) for k in list(row)[:8]) + (", ..." if len(row) > 8 else "")
-    return (f"no field {text_field!r} (the row has {keys or 'no fields'}); set dataset_text_field to the field that "
-            f"holds the text")
+    what = "the messages" if key.endswith("messages_field") else "the text"
+    return f"no field {text_field!r} (the row has {keys or 'no fields'}); set {key} to the field that holds {what}"
 
 
 def _parquet_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]:
@@ -196,6 +229,26 @@ def _parquet_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skippe
         for batch in batches:
             for text in batch.column(0).to_pylist():
                 yield text if text is not None else Skipped(functools.partial(_row_where, unit.file, first_row))
+                first_row += 1
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{unit.file}: row groups {unit.start}-{unit.stop - 1} cannot be read ({e}); a damaged "
+                        f"parquet file?") from None
+
+
+def _parquet_rows(unit: WorkUnit, field: str) -> Iterator[Row]:
+    """Whole parquet rows: the `field` column and, where the file has one, the `tools` column."""
+    pa = _import_optional("pyarrow", "pyarrow")
+    pf = _parquet_file(unit.file)
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise DataError(f"{unit.file}: no column {field!r} (columns: {', '.join(names)}); set "
+                        f"training.chat_messages_field to the column that holds the messages")
+    columns = [field] + [c for c in CHAT_ROW_COLUMNS if c in names and c != field]
+    first_row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
+    try:
+        for batch in pf.iter_batches(batch_size=256, row_groups=list(range(unit.start, unit.stop)), columns=columns):
+            for row in batch.to_pylist():
+                yield Row(row, functools.partial(_row_where, unit.file, first_row))
                 first_row += 1
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{unit.file}: row groups {unit.start}-{unit.stop - 1} cannot be read ({e}); a damaged "
@@ -298,8 +351,10 @@ def _line_number(file: Path, offset: int) -> int:
     return count + 1
 
 
-def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: int = 1) -> Iterator[str]:
-    """The documents of one DP rank's shard of a streamed Hugging Face dataset (the whole stream for 1 rank)."""
+def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: int = 1,
+                 rows: bool = False) -> Iterator[str | Skipped | Row]:
+    """The documents of one DP rank's shard of a streamed Hugging Face dataset (the whole stream for 1 rank); with
+    `rows`, its whole records (`Row`), each holding `text_field`."""
     datasets = _import_optional("datasets", "datasets")
     try:  # opened here, eagerly, so an unreachable hub fails with the dataset's name
         ds = datasets.load_dataset(name, split="train", streaming=True)
@@ -311,7 +366,14 @@ def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: in
         split = _import_optional("datasets.distributed", "datasets").split_dataset_by_node
         ds = split(ds, rank=dp_rank, world_size=dp_world_size)
 
-    def rows() -> Iterator[str | Skipped]:
+    def records() -> Iterator[Row]:
+        for i, row in enumerate(ds):
+            locate = functools.partial(_hf_where, name, dp_rank, dp_world_size, i)
+            if text_field not in row:
+                raise DataError(f"{locate()}: " + _field_problem(row, text_field, "training.chat_messages_field"))
+            yield Row(row, locate)
+
+    def texts() -> Iterator[str | Skipped]:
         for i, row in enumerate(ds):
             text = row.get(text_field)
             if isinstance(text, str):
@@ -321,7 +383,7 @@ def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: in
             else:
                 raise DataError(f"{_hf_where(name, dp_rank, dp_world_size, i)}: " + _field_problem(row, text_field))
 
-    return rows()
+    return records() if rows else texts()
 
 
 def _hf_where(name: str, dp_rank: int, dp_world_size: int, row: int) -> str:

@@ -1,0 +1,278 @@
+"""Chat rows: a conversation rendered by the tokenizer's own chat template, and which of its tokens are targets.
+
+A row is a record `{"messages": [{"role": ..., "content": ...}, ...], "tools": [...] (optional)}` (the messages
+field is training.chat_messages_field). Roles are system, user, assistant and tool; an assistant message may carry
+`reasoning_content` and `tool_calls`; content is a string, null, or a list of {"type": "text", "text": ...} parts.
+
+Rendering. transformers' `apply_chat_template` renders the row (tools included) with the template transformers
+itself loads from the tokenizer folder (model.tokenizer_path: chat_template.jinja, else tokenizer_config.json's
+chat_template), on a PreTrainedTokenizerFast of that folder: tokenizer.json as written, the ids HFTokenizer gives.
+The rendered text is then tokenized with offsets, the same call `apply_chat_template(..., tokenize=True)` makes.
+
+Targets (training.chat_targets = "assistant"): exactly the tokens the template emits for assistant turns, found
+from the rendered text's character spans. Each assistant turn runs from the end of its header `<|im_start|>assistant\n`
+through its closing `<|im_end|>` inclusive: its content, the `<think>...</think>` block where the template keeps it
+(the Qwen3.5 template drops the reasoning of assistant turns before the last user query), its `<tool_call>` blocks
+and the end token are targets; headers, system, user and tool-response turns are not. A token is a target when its
+first character lies in such a span. "all": every token of the rendered conversation is a target.
+
+Checks, each conversation: the structure above (a row that breaks it, has no assistant turn, spells a ChatML marker
+in its text, or that the template refuses, is left out: `Skipped` with the reason, counted by the cache build and
+reported in one line naming the first); the rendered text has as many assistant turns as the row has assistant
+messages. Every CHECK_EVERY-th conversation of a work unit (the first included) is also rendered and tokenized again
+by `apply_chat_template(..., tokenize=True)`, and its ids must be ours: the encoder names every row that differs
+(where, and the first differing token) in one DataError once the rank has read its units. Rendering and tokenizing
+cost about 0.17 ms a short conversation on a CPU core, the check as much again: a sample keeps the build's cost
+near one pass. A template whose rendering holds no `<|im_start|>assistant\n` header is not Qwen-style (ChatML):
+its spans cannot be found, a DataError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+from .sources import Row, Skipped
+
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+ASSISTANT_HEADER = f"{TURN_START}assistant\n"
+ROLES = ("system", "user", "assistant", "tool")
+CHECK_EVERY = 16  # every 16th conversation of a work unit is checked against apply_chat_template(tokenize=True)
+TEMPLATE_FILE, TEMPLATES_FOLDER, CONFIG_FILE = "chat_template.jinja", "additional_chat_templates", "tokenizer_config.json"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """The training section's chat keys (harness/config.py, Training)."""
+
+    messages_field: str = "messages"
+    targets: str = "assistant"  # "assistant" | "all"
+    overlong: str = "drop"  # "drop" | "truncate": a conversation longer than seq_len + 1 tokens (chat_packing.py)
+
+
+def chat_options(cfg) -> ChatOptions:
+    """The chat keys of a run's training section (harness/config.py, Training); validation reads its set with them."""
+    t = cfg.training
+    return ChatOptions(t.chat_messages_field, t.chat_targets, t.chat_overlong)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The template, read without transformers (the cache key and the launch checks need it, not the renderer)
+
+
+def tokenizer_folder(tokenizer_path: str) -> Path:
+    """The folder of a Hugging Face tokenizer given as model.tokenizer_path (the folder, or its tokenizer.json)."""
+    path = Path(tokenizer_path)
+    return path if path.is_dir() else path.parent
+
+
+def chat_template_problem(tokenizer_path: str) -> str | None:
+    """Why chat rows cannot be rendered with the tokenizer at `tokenizer_path`, or None when they can."""
+    if not tokenizer_path:
+        return ("training.data_format = 'chat' renders conversations with the tokenizer's chat template, and the "
+                "built-in byte tokenizer has none: set model.tokenizer_path to a tokenizer folder with a chat "
+                "template (data/debug_chat/tokenizer is the byte tokenizer with one)")
+    path = Path(tokenizer_path)
+    if path.is_file() and path.name != "tokenizer.json":
+        return (f"model.tokenizer_path {tokenizer_path!r} names a file; chat data needs the tokenizer folder (its "
+                f"tokenizer.json and chat template), as transformers loads it")
+    if not chat_template_sources(tokenizer_path):
+        folder = tokenizer_folder(tokenizer_path)
+        return (f"the tokenizer folder {folder} has no chat template (neither {TEMPLATE_FILE} nor a chat_template in "
+                f"{CONFIG_FILE}), which training.data_format = 'chat' renders conversations with")
+    return None
+
+
+def chat_template_sources(tokenizer_path: str) -> dict[str, object]:
+    """Every chat template of the folder as transformers finds them ({} when there is none): chat_template.jinja,
+    additional_chat_templates/*.jinja, tokenizer_config.json's chat_template (a string or named templates)."""
+    folder, sources = tokenizer_folder(tokenizer_path), {}
+    if (folder / TEMPLATE_FILE).is_file():
+        sources[TEMPLATE_FILE] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (folder / TEMPLATES_FOLDER).is_dir():
+        for file in sorted((folder / TEMPLATES_FOLDER).glob("*.jinja")):
+            sources[f"{TEMPLATES_FOLDER}/{file.name}"] = file.read_text(encoding="utf-8")
+    if (folder / CONFIG_FILE).is_file():
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+        if config.get("chat_template"):
+            sources[f"{CONFIG_FILE}:chat_template"] = config["chat_template"]
+    return sources
+
+
+def chat_identity(tokenizer_path: str, options: ChatOptions) -> dict:
+    """What a chat cache's key hashes beside the files and the tokenizer: the chat keys and the template text."""
+    templates = json.dumps(chat_template_sources(tokenizer_path), sort_keys=True)
+    return {"format": "chat", "messages_field": options.messages_field, "chat_targets": options.targets,
+            "chat_template_sha256": hashlib.sha256(templates.encode()).hexdigest()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Structure
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return names.get(type(value), "null")
+
+
+def _texts(message: dict) -> list[str]:
+    parts = message.get("content")
+    texts = [part.get("text") for part in parts] if isinstance(parts, list) else [parts]
+    return [t for t in [*texts, message.get("reasoning_content")] if isinstance(t, str)]
+
+
+def conversation_problem(row: dict, messages_field: str) -> str | None:
+    """Why `row` is not a conversation this harness trains on, or None."""
+    messages = row.get(messages_field)
+    if not isinstance(messages, list):
+        return f"{messages_field!r} is {_json_type(messages)}, not a list of messages"
+    if not messages:
+        return f"{messages_field!r} holds no messages"
+    for i, message in enumerate(messages):
+        where = f"{messages_field}[{i}]"
+        if not isinstance(message, dict):
+            return f"{where} is {_json_type(message)}, not an object"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"{where} has role {role!r}; the roles are {', '.join(ROLES)}"
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                return f"{where} has a content part that is not {{\"type\": \"text\", \"text\": ...}} (text only)"
+        elif content is not None and not isinstance(content, str):
+            return f"{where} has content that is {_json_type(content)}, not a string"
+        if message.get("reasoning_content") is not None and not isinstance(message["reasoning_content"], str):
+            return f"{where} has reasoning_content that is {_json_type(message['reasoning_content'])}, not a string"
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            return f"{where} has tool_calls that are not a list of objects"
+        for marker in (TURN_START, TURN_END):
+            if any(marker in text for text in _texts(message)):  # it would open or close a turn of its own
+                return f"{where} spells the ChatML marker {marker} in its text"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant turn"
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return "'tools' is not a list of objects"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spans and mask
+
+
+def assistant_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans [start, stop) of the assistant turns of a rendered conversation: from the end of each
+    `<|im_start|>assistant\\n` header through its closing `<|im_end|>` inclusive (an unclosed turn runs to the
+    end)."""
+    spans, pos = [], 0
+    while (header := text.find(ASSISTANT_HEADER, pos)) >= 0:
+        start = header + len(ASSISTANT_HEADER)
+        end = text.find(TURN_END, start)
+        stop = len(text) if end < 0 else end + len(TURN_END)
+        spans.append((start, stop))
+        pos = stop
+    return spans
+
+
+def target_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose first character (its offset's start) lies in a span, else 0."""
+    if not spans:
+        return [0] * len(offsets)
+    starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
+    span_starts = np.array([s for s, _ in spans], dtype=np.int64)
+    span_stops = np.array([s for _, s in spans], dtype=np.int64)
+    i = np.searchsorted(span_starts, starts, side="right") - 1  # the last span starting at or before the token
+    inside = (i >= 0) & (starts < span_stops[np.maximum(i, 0)])
+    return inside.astype(np.uint8).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The encoder of the cache build (harness/data/token_cache.py) and of streams
+
+
+class ChatEncoder:
+    """Chat rows to (token ids, target flags): see the module docstring. `__call__` gives Skipped for a row it
+    cannot use; `finish()` raises the rows whose ids differ from apply_chat_template's, all in one DataError."""
+
+    with_targets = True
+
+    def __init__(self, tokenizer, options: ChatOptions, check_every: int | None = None):
+        self.path = getattr(tokenizer, "path", None) or ""
+        problem = chat_template_problem(self.path)
+        if problem:
+            raise DataError(problem)
+        self.folder = tokenizer_folder(self.path)
+        self.options, self.check_every = options, check_every or CHECK_EVERY
+        self._tok = None
+        self.encoded = 0  # conversations encoded: picks the ones checked
+        self.mismatches: list[str] = []
+
+    @property
+    def tok(self):
+        if self._tok is None:  # transformers loads in seconds: only when a cache is built or a stream is read
+            from transformers import PreTrainedTokenizerFast
+
+            self._tok = PreTrainedTokenizerFast.from_pretrained(str(self.folder), local_files_only=True)
+        return self._tok
+
+    def start_unit(self) -> None:
+        """A new work unit: its first conversation is checked."""
+        self.encoded = 0
+
+    def __call__(self, row: Row) -> tuple[list[int], list[int]] | Skipped:
+        value = row.value
+        problem = conversation_problem(value, self.options.messages_field)
+        if problem:
+            return Skipped(row.locate, problem)
+        messages, tools = value[self.options.messages_field], value.get("tools")
+        try:
+            text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False)
+        except Exception as e:  # the template's raise_exception, a jinja error, a value it cannot print
+            message = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return Skipped(row.locate, f"the chat template refused it ({message})")
+        encoding = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoding["input_ids"])
+        if self.options.targets == "all":
+            targets = [1] * len(ids)
+        else:
+            spans = assistant_spans(text)
+            wanted = sum(m["role"] == "assistant" for m in messages)
+            if not spans:
+                raise DataError(f"the chat template of {self.folder} is not Qwen-style (ChatML): its rendering of "
+                                f"{row.locate()} holds no {ASSISTANT_HEADER!r} header, so the assistant turns (the "
+                                f"targets) cannot be found; use such a template, or training.chat_targets = 'all'")
+            if len(spans) != wanted:
+                return Skipped(row.locate, f"the template rendered {len(spans)} assistant turns for {wanted} "
+                                           f"assistant messages")
+            targets = target_mask(encoding["offset_mapping"], spans)
+        if self.encoded % self.check_every == 0:
+            self._check(row, messages, tools, ids)
+        self.encoded += 1
+        return ids, targets
+
+    def _check(self, row: Row, messages, tools, ids: list[int]) -> None:
+        reference = self.tok.apply_chat_template(messages, tools=tools, tokenize=True)
+        if hasattr(reference, "keys"):  # a BatchEncoding (transformers 5), or a list of ids
+            reference = reference["input_ids"]
+        reference = list(reference)
+        if reference != ids:
+            first = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+            self.mismatches.append(f"{row.locate()} at token {first} ({len(ids)} tokens here, {len(reference)} "
+                                   f"there)")
+
+    def finish(self) -> None:
+        if self.mismatches:
+            shown = "; ".join(self.mismatches[:5]) + (f"; and {len(self.mismatches) - 5} more"
+                                                      if len(self.mismatches) > 5 else "")
+            raise DataError(f"the token ids of {len(self.mismatches)} conversations differ from transformers' "
+                            f"apply_chat_template(..., tokenize=True) with the tokenizer {self.folder}: {shown}. "
+                            f"Its tokenizer_config.json settings make transformers tokenize otherwise than the "
+                            f"harness; report it with that folder")

@@ -1,0 +1,243 @@
+"""Chat rows packed whole (harness/data/chat_packing.py, loader.py's ChatCacheLoader / ChatStreamPacker): every
+conversation inside one row, padded, labels only on targets, the same global rows at any data-parallel degree, exact
+resume. The rendering and the mask: test_chat_data.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.data.chat import ChatEncoder, ChatOptions
+from harness.data.chat_packing import pack_conversations
+from harness.data.errors import DataError
+from harness.data.loader import IGNORE_INDEX, ChatStreamPacker, PrefetchingLoader, build_dataloader
+from harness.data.sources import Row
+from harness.data.tokenizer import HFTokenizer
+from tests.unit.test_data import batch_rows, fake_datasets, take
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG_CHAT = REPO / "data" / "debug_chat"
+TOKENIZER = HFTokenizer(str(DEBUG_CHAT / "tokenizer"))  # byte-level: a conversation is about as long as its text
+PAD = TOKENIZER.eos_id
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    """Conversations of 30 to ~150 tokens: some of them longer than the short rows below."""
+    r = random.Random(seed)
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"q{i} " + "x" * r.randint(0, 40)},
+                    {"role": "assistant", "content": f"a{i} " + "y" * r.randint(0, 40)}]
+        if r.random() < 0.3:
+            messages += [{"role": "user", "content": "again"}, {"role": "assistant", "content": "z" * r.randint(1, 30)}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def encoded(rows: list[dict], targets: str = "assistant") -> list[tuple[list[int], list[int]]]:
+    encoder = ChatEncoder(TOKENIZER, ChatOptions(targets=targets))
+    return [encoder(Row(row, lambda: "?")) for row in rows]
+
+
+def expected_rows(convs: list[tuple[list[int], list[int]]], L: int, overlong: str = "drop") -> list[dict]:
+    """The global rows, written out from the contract (docs/design.md, "Chat data"), not from the loader."""
+    R, rows, current = L + 1, [], []
+    for ids, flags in convs:
+        if len(ids) > R:
+            if overlong == "drop":
+                continue
+            ids, flags = ids[:R], flags[:R]
+        if sum(len(c[0]) for c in current) + len(ids) > R:
+            rows.append(current)
+            current = []
+        current.append((ids, flags))
+    rows.append(current)
+    out = []
+    for row in rows:
+        tokens, flags, doc = [], [], []
+        for d, (ids, fl) in enumerate(row):
+            tokens += ids
+            flags += fl
+            doc += [d] * len(ids)
+        pad = R - len(tokens)
+        tokens, flags, doc = tokens + [PAD] * pad, flags + [0] * pad, doc + [-1] * pad  # padding: its own document
+        labels = [tokens[i + 1] if flags[i + 1] and doc[i + 1] == doc[i] else IGNORE_INDEX for i in range(L)]
+        positions = [0 if i == 0 or doc[i] != doc[i - 1] else None for i in range(L)]
+        for i in range(L):
+            positions[i] = 0 if positions[i] == 0 else positions[i - 1] + 1
+        out.append({"input_ids": tokens[:L], "labels": labels, "position_ids": positions})
+    return out
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def chat_loader(source: Path, tmp_path: Path, L: int, b: int, rank: int = 0, world: int = 1, infinite: bool = True,
+                **options):
+    return build_dataloader("jsonl", str(source), "text", TOKENIZER, L, b, dp_rank=rank, dp_world_size=world,
+                            cache_dir=tmp_path / "cache", infinite=infinite, data_format="chat",
+                            chat=ChatOptions(**options))
+
+
+@pytest.fixture
+def corpus(tmp_path) -> tuple[Path, list[dict]]:
+    rows = conversations(60)
+    return write_rows(tmp_path / "chats.jsonl", rows), rows
+
+
+# -- the layout ----------------------------------------------------------------------------------------------------
+
+
+def test_greedy_packing_keeps_order_and_counts_what_it_drops_or_cuts():
+    layout = pack_conversations([3, 4, 2, 9, 5, 5, 1], row_tokens=8, overlong="drop")
+    rows = [list(zip(layout.docs[a:b].tolist(), layout.taken[a:b].tolist()))
+            for a, b in zip(layout.row_first[:-1], layout.row_first[1:])]
+    assert rows == [[(0, 3), (1, 4)], [(2, 2), (4, 5)], [(5, 5), (6, 1)]] and (layout.dropped, layout.truncated) == (1, 0)
+    layout = pack_conversations([3, 4, 2, 9, 5, 5, 1], row_tokens=8, overlong="truncate")
+    assert layout.taken.tolist() == [3, 4, 2, 8, 5, 5, 1] and (layout.dropped, layout.truncated) == (0, 1)
+    assert layout.row_first.tolist() == [0, 2, 3, 4, 5, 7]
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_cached_rows_hold_whole_conversations_padded_with_labels_on_targets_only(corpus, tmp_path, overlong, caplog):
+    source, rows = corpus
+    L = 96
+    convs = encoded(rows)
+    longer = sum(len(ids) > L + 1 for ids, _ in convs)
+    assert 0 < longer < len(convs)  # some conversations do not fit a row
+    with caplog.at_level(logging.INFO):
+        loader = chat_loader(source, tmp_path, L, 2, infinite=False, overlong=overlong)
+    got = [row for batch in loader for row in batch_rows(batch)]
+    want = expected_rows(convs, L, overlong)
+    assert len(got) == len(want) // 2 * 2 and got == want[: len(got)]
+    kept = len(convs) - longer if overlong == "drop" else len(convs)
+    cut = (longer, 0) if overlong == "drop" else (0, longer)
+    summary = [r.getMessage() for r in caplog.records if "chat rows of" in r.getMessage()]
+    assert len(summary) == 1 and (f"{kept} conversations kept, {cut[0]} dropped and {cut[1]} truncated (longer than "
+                                  f"seq_len + 1 = {L + 1} tokens; chat_overlong = '{overlong}'); {len(want)} rows of "
+                                  f"{L + 1} tokens: ") in summary[0]
+    assert all(any(label != IGNORE_INDEX for label in r["labels"]) for r in want)
+
+
+def test_a_conversation_is_never_split_and_padding_is_its_own_document(corpus, tmp_path):
+    source, _ = corpus
+    L, im_start, newline = 128, TOKENIZER.encode("<|im_start|>")[0], TOKENIZER.encode("\n")[0]
+    for row in batch_rows(next(chat_loader(source, tmp_path, L, 8))):
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [L]
+        for a, b in zip(starts, starts[1:]):
+            ids, labels = row["input_ids"][a:b], row["labels"][a:b]
+            if set(ids) == {PAD} and b == L:  # the padding: the row's last document, never a label
+                assert labels == [IGNORE_INDEX] * (b - a)
+                continue
+            assert ids[0] == im_start  # a conversation from its first token ...
+            if b < L:
+                assert ids[-1] == newline and labels[-1] == IGNORE_INDEX  # ... to its last ("<|im_end|>\n")
+
+
+def test_chat_targets_all_labels_every_next_token_of_a_conversation(corpus, tmp_path):
+    source, rows = corpus
+    got = batch_rows(next(chat_loader(source, tmp_path, 128, 4, targets="all")))
+    assert got == expected_rows(encoded(rows, "all"), 128)[:4]
+    row = got[0]
+    inside = [i for i in range(127) if row["position_ids"][i + 1] != 0]  # the next token is of the same document
+    assert all(row["labels"][i] == row["input_ids"][i + 1] for i in inside if row["input_ids"][i + 1] != PAD)
+
+
+def test_an_all_overlong_set_is_an_error_saying_what_to_do(corpus, tmp_path):
+    source, _ = corpus
+    with pytest.raises(DataError, match=r"all 60 conversations .* are longer than seq_len \+ 1 = 17 tokens.*raise "
+                                        r"training\.seq_len, or set training\.chat_overlong = 'truncate'"):
+        chat_loader(source, tmp_path, 16, 1)
+    assert next(chat_loader(source, tmp_path, 16, 1, overlong="truncate"))["input_ids"].shape == (1, 16)
+
+
+# -- dealing and resume ----------------------------------------------------------------------------------------------
+
+
+def test_chat_rows_do_not_depend_on_the_data_parallel_degree(corpus, tmp_path):
+    source, rows = corpus
+    L, global_batch = 96, 4
+    want = expected_rows(encoded(rows), L)
+    for world in (1, 2):
+        b = global_batch // world
+        loaders = [chat_loader(source, tmp_path, L, b, rank=r, world=world) for r in range(world)]
+        for m in range(3):
+            for r, loader in enumerate(loaders):
+                assert batch_rows(next(loader)) == [want[m * global_batch + r + j * world] for j in range(b)]
+
+
+@pytest.mark.parametrize("k", [1, 9])  # 9 batches of 4 run past the end of the rows (epoch 2)
+def test_chat_resume_mid_epoch_yields_the_same_batches_at_any_degree(corpus, tmp_path, k):
+    source, _ = corpus
+    L = 96
+    uninterrupted = chat_loader(source, tmp_path, L, 4)
+    take(uninterrupted, k)
+    state = pickle.loads(pickle.dumps(uninterrupted.state_dict()))
+    json.dumps(state)
+    expected = [row for batch in take(uninterrupted, 3) for row in batch_rows(batch)]
+    resumed = chat_loader(source, tmp_path, L, 4)
+    resumed.load_state_dict(state)
+    assert [row for batch in take(resumed, 3) for row in batch_rows(batch)] == expected
+    two = [chat_loader(source, tmp_path, L, 2, rank=r, world=2) for r in range(2)]
+    for loader in two:
+        loader.load_state_dict(state)
+    first = [batch_rows(next(loader)) for loader in two]
+    assert [first[0][0], first[1][0], first[0][1], first[1][1]] == expected[:4]
+
+
+def test_a_saved_position_of_other_packing_is_refused(corpus, tmp_path):
+    source, rows = corpus
+    state = chat_loader(source, tmp_path, 96, 2).state_dict()
+    with pytest.raises(DataError, match="packed as 'chat, chat_overlong drop', this run packs them as 'chat, "
+                                        "chat_overlong truncate'"):
+        chat_loader(source, tmp_path, 96, 2, overlong="truncate").load_state_dict(state)
+    text_source = write_rows(tmp_path / "text.jsonl", [{"text": json.dumps(r)} for r in rows])
+    text = build_dataloader("jsonl", str(text_source), "text", TOKENIZER, 96, 2, cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match="packed as 'chat, chat_overlong drop', this run packs them as 'text'"):
+        text.load_state_dict(state)
+
+
+# -- Hugging Face streams ----------------------------------------------------------------------------------------------
+
+
+def test_a_chat_stream_packs_its_rank_shard_and_resumes_exactly(monkeypatch):
+    rows = conversations(40, seed=1)
+    fake_datasets(monkeypatch, rows)
+    L = 96
+    stream = lambda rank=0, world=1, infinite=True: build_dataloader(
+        "hf", "fake/chats", "text", TOKENIZER, L, 2, dp_rank=rank, dp_world_size=world, infinite=infinite,
+        data_format="chat", chat=ChatOptions())
+    got = [row for batch in stream(infinite=False) for row in batch_rows(batch)]
+    want = expected_rows(encoded(rows), L)
+    assert got == want[: len(got)] and len(got) >= len(want) - 2
+    assert batch_rows(next(stream(1, 2))) == expected_rows(encoded(rows[1::2]), L)[:2]  # rank 1's shard
+
+    reference = stream()
+    expected = [batch_rows(b) for b in take(reference, 8)]
+    loader = stream()
+    take(loader, 3)
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    loader.close()
+    resumed = stream()
+    resumed.load_state_dict(state)
+    assert [batch_rows(b) for b in take(resumed, 5)] == expected[3:]
+    for l in (reference, resumed):
+        l.close()
+
+
+def test_a_chat_stream_state_does_not_resume_a_text_stream_nor_the_reverse(monkeypatch):
+    fake_datasets(monkeypatch, conversations(10))
+    chat_stream = PrefetchingLoader(ChatStreamPacker(lambda: iter([]), ChatEncoder(TOKENIZER, ChatOptions()), 32, 1))
+    text = build_dataloader("hf", "fake/chats", "text", TOKENIZER, 32, 1)
+    with pytest.raises(DataError, match="streamed chat dataset and cannot resume the streamed text dataset"):
+        text.load_state_dict(chat_stream.state_dict())
+    with pytest.raises(DataError, match="not that of a streamed chat dataset"):
+        chat_stream.load_state_dict(text.state_dict())
