@@ -96,6 +96,17 @@ class Training:
     # sampled sha256; well under a second) or "full" (also the sha256 of every token, ~1.5 s a GB). A cache is
     # checked in full right after it is built.
     dataset_cache_verify: Literal["quick", "full"] = "quick"
+    # "text": documents, every token a target. "chat": each row is a conversation {"messages": [{"role", "content"},
+    # ...], "tools": [...] (optional)}, assistant messages may carry reasoning_content and tool_calls; rendered by
+    # the chat template of model.tokenizer_path, packed whole into padded rows (docs/design.md, "Chat data"); from
+    # a jsonl, parquet or hf dataset. The validation set is read the same way, with these chat keys.
+    data_format: Literal["text", "chat"] = "text"
+    chat_messages_field: str = "messages"  # chat: the field (column) of a row that holds its messages
+    # chat: the tokens trained on. "assistant": those the template emits for assistant turns (content, the reasoning
+    # it keeps, tool calls, the closing <|im_end|>); "all": every token of the rendered conversation.
+    chat_targets: Literal["assistant", "all"] = "assistant"
+    # chat: a conversation longer than seq_len + 1 tokens is dropped, or truncated to one row (counted in the log)
+    chat_overlong: Literal["drop", "truncate"] = "drop"
     aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
     # Cross entropy this many tokens at a time (per rank), never holding the whole (tokens x vocab) logits;
     # 0 = all at once. Peak per chunk token ~2 bytes x vocab on CUDA (bf16 logits, their gradient written in place:

@@ -3,7 +3,8 @@
 `check_launch` is what the entry points call: the config's keys, types and values (`load_config`), the parallel
 degrees on the launch's world size (`validate_parallelism`) and what the run reads (`check_run_requirements`), all
 collected, none raised at the first. `check_run_requirements` alone: paths that must exist (dataset, validation set, tokenizer, HF config and checkpoint), a known model flavor,
-a tokenizer that fits the model's vocabulary, a context-parallel degree that divides the rows and the Gated
+a tokenizer that fits the model's vocabulary, chat data from a kind that holds rows and a tokenizer with a chat
+template, a context-parallel degree that divides the rows and the Gated
 DeltaNet heads, an expert-parallel degree that divides the experts. Runs without torch
 (the models' args and flavors are plain Python), so a typo fails in well under a second.
 """
@@ -17,6 +18,7 @@ from models.qwen35_moe.args import Qwen35MoeArgs
 from models.qwen35_moe.flavors import qwen35_moe_flavors
 
 from .config import ConfigError, JobConfig, load_config, validate_parallelism
+from .data.chat import chat_template_problem
 
 _TO_SET = "set it in the config file or with --{key} PATH"
 # What validate_parallelism reads
@@ -66,6 +68,8 @@ def run_requirement_problems(cfg: JobConfig, rejected: frozenset[str] = frozense
     for section in ("training", "validation") if cfg.validation.enable else ("training",):
         if reads(f"{section}.dataset", f"{section}.dataset_path"):
             problems += _dataset_problems(cfg, section)
+    if reads("training.data_format", "training.dataset", "validation.dataset", "model.tokenizer_path"):
+        problems += _chat_problems(cfg)
     if reads("checkpoint.initial_load_hf"):
         problems += _checkpoint_problems(cfg)
     if not reads("model.hf_config", "model.flavor"):
@@ -113,6 +117,20 @@ def _dataset_problems(cfg: JobConfig, section: str) -> list[str]:
     if s.dataset != "hf" and not os.path.exists(s.dataset_path):
         return [f"{key} {s.dataset_path!r} does not exist; " + _TO_SET.format(key=key)]
     return []
+
+
+def _chat_problems(cfg: JobConfig) -> list[str]:
+    if cfg.training.data_format != "chat":
+        return []
+    problems = [f"{section}.dataset = 'text' cannot hold chat data (rows with a list of messages): use jsonl, parquet "
+                f"or hf with training.data_format = 'chat'"
+                for section in (("training", "validation") if cfg.validation.enable else ("training",))
+                if getattr(cfg, section).dataset == "text"]
+    path = cfg.model.tokenizer_path
+    if not path or os.path.exists(path):  # a missing path is named by the tokenizer's own check
+        problem = chat_template_problem(path)
+        problems += [problem] if problem else []
+    return problems
 
 
 def _checkpoint_problems(cfg: JobConfig) -> list[str]:

@@ -24,6 +24,7 @@ from parallel.reshard_policy import keep_if_it_fits
 from .checkpoint.checkpointer import Checkpointer, verified_resume_step
 from .checkpoint.hf_weights import export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
+from .data.chat import chat_options
 from .data.loader import build_dataloader
 from .loss import balance_loss_share, global_label_tokens, routing_loads
 from .optim.lr_schedule import build_lr_scheduler
@@ -109,7 +110,8 @@ class Trainer:
         cache_dir = t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache")
         self.dataloader = build_dataloader(
             t.dataset, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
-            dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir, cache_verify=t.dataset_cache_verify)
+            dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir, cache_verify=t.dataset_cache_verify,
+            data_format=t.data_format, chat=chat_options(cfg))
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
                                     self.model_inputs) if cfg.validation.enable else None)
         self.step, tb_run = 0, None

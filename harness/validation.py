@@ -17,6 +17,7 @@ from torch import nn
 from parallel.parallelize import reshard_fsdp
 
 from .config import JobConfig
+from .data.chat import chat_options
 from .data.loader import IGNORE_INDEX, build_dataloader
 
 
@@ -30,7 +31,8 @@ class Validator:
         self.device, self.model_inputs = device, model_inputs
         self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
                                        t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                       cache_dir=cache_dir, infinite=False, cache_verify=t.dataset_cache_verify)
+                                       cache_dir=cache_dir, infinite=False, cache_verify=t.dataset_cache_verify,
+                                       data_format=t.data_format, chat=chat_options(cfg))  # training's chat keys
         self.start = self.loader.state_dict()  # every validation rewinds to here: the same rows each time
 
     @torch.no_grad()

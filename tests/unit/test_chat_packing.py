@@ -1,6 +1,6 @@
 """Chat rows packed whole (harness/data/chat_packing.py, loader.py's ChatCacheLoader / ChatStreamPacker): every
 conversation inside one row, padded, labels only on targets, the same global rows at any data-parallel degree, exact
-resume. The rendering and the mask: test_chat_data.py."""
+resume; the launch checks of chat configs; debug_sft.toml trains. The rendering and the mask: test_chat_data.py."""
 
 from __future__ import annotations
 
@@ -8,21 +8,25 @@ import json
 import logging
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from harness.config import ConfigError
 from harness.data.chat import ChatEncoder, ChatOptions
 from harness.data.chat_packing import pack_conversations
 from harness.data.errors import DataError
 from harness.data.loader import IGNORE_INDEX, ChatStreamPacker, PrefetchingLoader, build_dataloader
 from harness.data.sources import Row
 from harness.data.tokenizer import HFTokenizer
+from harness.preflight import check_launch
 from tests.unit.test_data import batch_rows, fake_datasets, take
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_CHAT = REPO / "data" / "debug_chat"
+SFT_CONFIG = str(REPO / "train_configs" / "debug_sft.toml")
 TOKENIZER = HFTokenizer(str(DEBUG_CHAT / "tokenizer"))  # byte-level: a conversation is about as long as its text
 PAD = TOKENIZER.eos_id
 
@@ -241,3 +245,41 @@ def test_a_chat_stream_state_does_not_resume_a_text_stream_nor_the_reverse(monke
         text.load_state_dict(chat_stream.state_dict())
     with pytest.raises(DataError, match="not that of a streamed chat dataset"):
         chat_stream.load_state_dict(text.state_dict())
+
+
+# -- the launch and a run ----------------------------------------------------------------------------------------------
+
+
+def test_chat_configs_that_cannot_run_are_named_before_the_run(tmp_path):
+    no_template = tmp_path / "tok"
+    no_template.mkdir()
+    (no_template / "tokenizer.json").write_text((DEBUG_CHAT / "tokenizer" / "tokenizer.json").read_text())
+    cases = [
+        (["--training.dataset", "text"], "training.dataset = 'text' cannot hold chat data"),
+        (["--model.tokenizer_path", ""], "the built-in byte tokenizer has none: set model.tokenizer_path"),
+        (["--model.tokenizer_path", str(no_template)], f"the tokenizer folder {no_template} has no chat template"),
+        (["--validation.dataset", "text"], "validation.dataset = 'text' cannot hold chat data"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_launch(["--config", SFT_CONFIG, *argv], 1)
+    check_launch(["--config", SFT_CONFIG], 1)
+
+
+def test_debug_sft_trains_its_loss_falls_and_the_export_renders_chats_as_the_run_did(tmp_path):
+    from transformers import AutoTokenizer
+
+    from harness.train import main
+
+    out = tmp_path / "out"
+    assert main(["--config", SFT_CONFIG, "--job.dump_folder", str(out), "--training.steps", "20",
+                 "--training.seq_len", "128", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+                 "--metrics.enable_tensorboard", "false", "--validation.freq", "20", "--validation.steps", "2"]) == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0]
+    assert any("val_loss" in m for m in metrics)
+    exported = AutoTokenizer.from_pretrained(out / "hf")
+    row = json.loads((DEBUG_CHAT / "val.jsonl").read_text().splitlines()[0])
+    assert (exported.apply_chat_template(row["messages"], tokenize=True)["input_ids"]
+            == ChatEncoder(TOKENIZER, ChatOptions())(Row(row, lambda: "?"))[0])
