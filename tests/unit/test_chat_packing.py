@@ -283,3 +283,20 @@ def test_debug_sft_trains_its_loss_falls_and_the_export_renders_chats_as_the_run
     row = json.loads((DEBUG_CHAT / "val.jsonl").read_text().splitlines()[0])
     assert (exported.apply_chat_template(row["messages"], tokenize=True)["input_ids"]
             == ChatEncoder(TOKENIZER, ChatOptions())(Row(row, lambda: "?"))[0])
+
+
+def test_a_chat_file_without_a_usable_conversation_exits_2_with_one_error_line(tmp_path, capsys):
+    from harness.train import main
+
+    bad = write_rows(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}] * 3)
+    assert main(["--config", SFT_CONFIG, "--job.dump_folder", str(tmp_path / "out"), "--training.dataset_path",
+                 str(bad), "--validation.enable", "false"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{bad}:1: no assistant turn" in errors[0], errors
+
+
+def test_the_shipped_chat_corpus_is_small_and_every_conversation_in_it_is_kept(tmp_path):
+    files = [p for p in DEBUG_CHAT.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) < 2 * 1024 * 1024 and (DEBUG_CHAT / "README.md").is_file()
+    loader = chat_loader(DEBUG_CHAT / "val.jsonl", tmp_path, 512, 4)
+    assert loader.cache.meta["skipped_rows"]["count"] == 0 and len(loader.layout.docs) == 200
