@@ -250,6 +250,18 @@ def test_a_chat_stream_state_does_not_resume_a_text_stream_nor_the_reverse(monke
 # -- the launch and a run ----------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def own_logging():
+    """harness.train.main sets up logging on pytest's captured stderr: put back what was there, so that tests run
+    after these do not log to a closed stream."""
+    root, ours = logging.getLogger(), [logging.getLogger(name) for name in ("harness", "models", "parallel")]
+    handlers, levels = root.handlers[:], [root.level] + [logger.level for logger in ours]
+    yield
+    root.handlers[:] = handlers
+    for logger, level in zip([root, *ours], levels):
+        logger.setLevel(level)
+
+
 def test_chat_configs_that_cannot_run_are_named_before_the_run(tmp_path):
     no_template = tmp_path / "tok"
     no_template.mkdir()
@@ -266,7 +278,7 @@ def test_chat_configs_that_cannot_run_are_named_before_the_run(tmp_path):
     check_launch(["--config", SFT_CONFIG], 1)
 
 
-def test_debug_sft_trains_its_loss_falls_and_the_export_renders_chats_as_the_run_did(tmp_path):
+def test_debug_sft_trains_its_loss_falls_and_the_export_renders_chats_as_the_run_did(tmp_path, own_logging):
     from transformers import AutoTokenizer
 
     from harness.train import main
@@ -285,7 +297,7 @@ def test_debug_sft_trains_its_loss_falls_and_the_export_renders_chats_as_the_run
             == ChatEncoder(TOKENIZER, ChatOptions())(Row(row, lambda: "?"))[0])
 
 
-def test_a_chat_file_without_a_usable_conversation_exits_2_with_one_error_line(tmp_path, capsys):
+def test_a_chat_file_without_a_usable_conversation_exits_2_with_one_error_line(tmp_path, capsys, own_logging):
     from harness.train import main
 
     bad = write_rows(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}] * 3)
