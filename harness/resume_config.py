@@ -22,7 +22,8 @@ from .config import JobConfig
 
 # What the saved data position refers to (keys of JobConfig.to_dict()).
 DATA_KEYS = ("training.dataset", "training.dataset_path", "training.dataset_text_field", "training.seq_len",
-             "model.tokenizer_path")
+             "model.tokenizer_path", "training.data_format", "training.chat_messages_field", "training.chat_targets",
+             "training.chat_overlong")
 SCHEDULE_KEYS = ("training.steps", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
                  "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor")
 # Read afresh at every launch, or not about the training itself: never worth a line.
