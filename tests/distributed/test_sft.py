@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from tests.distributed.launch import Run, register
-from tests.distributed.test_fsdp import assert_same_grads
 
 STEP = "tests.distributed.sft_worker:step"
 SINGLE = register(Run("sft/single", 1, STEP))
@@ -29,8 +28,9 @@ def test_packed_loss_is_the_token_mean_over_the_targets_of_the_conversations_run
     # Only assistant tokens are targets: a fraction of the rows (the prompts and the padding are not).
     assert 0 < ref["targets"] < 0.8 * ref["row_tokens"]
     # The model's cross entropy runs in fp32 even in a float64 model (the per-token loss kernel), the reference in
-    # float64: they differ by fp32 rounding (measured 4e-8 relative). A conversation that saw another's tokens, or a
-    # prompt token counted as a target, moves the loss by 1e-3 or more.
+    # float64: they differ by fp32 rounding (measured 3.7e-8 relative). Each row's conversations run as one document
+    # (attending across conversations) moves even this freshly initialised model's loss by 1.4e-5; a prompt token
+    # counted as a target moves it by far more.
     assert ref["out"]["loss"] == pytest.approx(unpacked_loss, rel=1e-6)
 
 
@@ -41,4 +41,6 @@ def test_chat_step_matches_single_process(launches, name):
     assert got["validation"]["val_loss"] == pytest.approx(ref["validation"]["val_loss"], rel=1e-6)
     for key in ("loss", "aux_loss", "grad_norm"):
         assert got["out"][key] == pytest.approx(ref["out"][key], rel=1e-5), key
-    assert_same_grads(got, ref)
+    for key, want in ref["grads"].items():
+        rel = ((got["grads"][key] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert rel < 1e-9, f"{key}: relative grad difference {rel:.2e}"  # float64 summation order: ~1e-13
