@@ -41,8 +41,17 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if threading.current_thread() is threading.main_thread():  # until trainer.stop.install() replaces it
-        signal.signal(signal.SIGTERM, _raise_terminated)
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # until trainer.stop.install() replaces it
+    try:
+        return _main(argv)
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _raise_terminated:  # a caller running several launches in-process
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         _record_pid()  # may take a signal the launcher received before this rank started
     except KeyboardInterrupt:
@@ -63,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     name = cfg.job.name.replace("%", "%%")  # the format string below is %-style
     logging.basicConfig(level=logging.WARNING, format=f"[{name} %(asctime)s rank{rank}] %(message)s",
-                        datefmt="%H:%M:%S", force=True)
+                        datefmt="%H:%M:%S", force=True, stream=_Stderr())
     for ours in ("harness", "models", "parallel"):  # the project's own progress lines; libraries' warnings only
         logging.getLogger(ours).setLevel(logging.INFO if rank == 0 else logging.WARNING)
     try:  # heavy imports only once the config is valid; Ctrl-C while they load is a stop like any other
@@ -114,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
     return 0
+
+
+class _Stderr:
+    """sys.stderr as it is when a line is logged, not when logging was set up: a caller that swaps it (pytest's
+    capture, a second launch in one process) never leaves the log writing to a closed stream."""
+
+    def write(self, text: str) -> None:
+        sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def _stop(code: int, message: str) -> int:

@@ -36,3 +36,17 @@ def test_a_relaunch_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, c
     assert "done: nothing to train: step 2 of training.steps 2 already done" in out and "nan" not in out
     assert main([*run[:-4], "--training.steps", "3", "--job.dump_folder", str(tmp_path)]) == 0
     assert "done: 1 step (resumed at step 2, now 3), 128 tokens in" in capsys.readouterr().out
+
+
+def test_a_launch_that_returns_early_leaves_the_callers_sigterm_handler_as_it_was(tmp_path):
+    import signal
+
+    from harness.train import main
+
+    mine = lambda signum, frame: None  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main(["--training.stesp", "1", "--job.dump_folder", str(tmp_path / "o")]) == 2  # a bad key: exit 2
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
