@@ -56,6 +56,18 @@ class Qwen35MoeArgs:
     shared_expert_intermediate_size: int = 512
     router_aux_loss_coef: float = 0.001
 
+    # Multi-token prediction (mtp.py): this many MTP layers after the main stack, predicting x_{t+2}; 0: none.
+    # The released checkpoints have one, sharing the main embedding (dedicated embeddings are not supported).
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
+
+    # Fields of the official config.json that describe what this model always does (an output-gated attention;
+    # the SSM state in fp32) or concern inference only: kept to be written back on export as they were read.
+    attn_output_gate: bool = True
+    mamba_ssm_dtype: str = "float32"
+    use_cache: bool = True
+    output_router_logits: bool = False
+
     # Written to config.json on export; not used by the model.
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 248044
@@ -82,6 +94,12 @@ class Qwen35MoeArgs:
             problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             problems.append("num_experts_per_tok must be in [1, num_experts]")
+        if not self.attn_output_gate:
+            problems.append("attn_output_gate false is not supported (the attention layers always gate their output)")
+        if self.mtp_num_hidden_layers < 0:
+            problems.append(f"mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
+        if self.mtp_use_dedicated_embeddings:
+            problems.append("mtp_use_dedicated_embeddings true is not supported (the MTP layer shares embed_tokens)")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             problems.append(f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even and <= head_dim")
         if problems:
@@ -140,7 +158,8 @@ class Qwen35MoeArgs:
                 "mrope_interleaved": self.mrope_interleaved,
             },
         }
-        skip = {"full_attention_interval", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+        # The official config.json holds partial_rotary_factor both in rope_parameters and at the top level.
+        skip = {"rope_theta", "mrope_section", "mrope_interleaved"}
         for f in dataclasses.fields(self):
             if f.name not in skip:
                 cfg[f.name] = getattr(self, f.name)

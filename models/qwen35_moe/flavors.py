@@ -30,8 +30,10 @@ qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
         shared_expert_intermediate_size=32,
         eos_token_id=None,
     ),
-    "35B-A3B": Qwen35MoeArgs(),
+    # The released models carry one multi-token-prediction layer (`mtp_num_hidden_layers: 1` in their config.json).
+    "35B-A3B": Qwen35MoeArgs(mtp_num_hidden_layers=1),
     "122B-A10B": Qwen35MoeArgs(
+        mtp_num_hidden_layers=1,
         hidden_size=3072,
         num_hidden_layers=48,
         num_attention_heads=32,
@@ -40,6 +42,7 @@ qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
         shared_expert_intermediate_size=1024,
     ),
     "397B-A17B": Qwen35MoeArgs(
+        mtp_num_hidden_layers=1,
         hidden_size=4096,
         num_hidden_layers=60,
         num_attention_heads=32,

@@ -10,7 +10,8 @@ The rules, by parameter (HF-like, as transformers initialises Qwen3.5-MoE):
   A_log                     log U(0.01, 16)      (decay rates A ~ U(0.01, 16); the bound keeps log(A) finite)
   dt_bias                   1
   linear_attn.norm.weight   1                    (gated RMSNorm scale)
-  other *norm.weight        0                    (zero-centred RMSNorms: scale 1 + w)
+  other *norm.weight        0                    (zero-centred RMSNorms: scale 1 + w; also the MTP's
+                                                  mtp.pre_fc_norm_{embedding,hidden}.weight)
   conv1d.weight             U(-1/sqrt(W), 1/sqrt(W))  (PyTorch's Conv1d default, as FLA's ShortConvolution)
   *.bias                    0
   everything else           N(0, initializer_range)   (projections, experts, router, embedding, lm_head)
@@ -52,7 +53,7 @@ def initial_value(name: str, shape: torch.Size, std: float, generator: torch.Gen
         return full.uniform_(0.01, 16, generator=generator).log_()
     if name.endswith(("dt_bias", "linear_attn.norm.weight")):
         return full.fill_(1.0)
-    if name.endswith(("norm.weight", ".bias")):
+    if name.endswith(("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", ".bias")):
         return full.zero_()
     if name.endswith("conv1d.weight"):
         bound = 1.0 / math.sqrt(shape[-1])

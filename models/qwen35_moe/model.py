@@ -29,6 +29,7 @@ from .init import init_weights
 from .kernels.linear_cross_entropy import linear_cross_entropy_sum
 from .linear import Linear, WeightCopies
 from .moe import RouterStats, SparseMoE, load_balancing_loss
+from .mtp import MultiTokenPredictor
 from .norms import ZeroCenteredRMSNorm
 
 
@@ -41,6 +42,10 @@ class CausalLMOutput:
     # With labels: the cross entropy summed over the label tokens (fp32) times the forward's `ce_scale`, computed
     # chunk by chunk without the whole logits (kernels/linear_cross_entropy.py).
     ce_sum: torch.Tensor | None = None
+    # With `mtp=True`: per MTP depth k, its normed hidden states (B, S, D), which the shared lm_head maps to logits of
+    # x_{t+k+2} (mtp.py), and the MTP layers' routing statistics (not part of `router_stats`).
+    mtp_hidden: list[torch.Tensor] | None = None
+    mtp_router_stats: RouterStats | None = None
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -140,6 +145,11 @@ class Qwen35MoeModel(nn.Module):
         self.lm_head = LMHead(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The multi-token-prediction layers of the released checkpoints (mtp.py); run only when a forward asks.
+        self.mtp = None
+        if args.mtp_num_hidden_layers:
+            layers = [DecoderLayer(args, FULL_ATTENTION) for _ in range(args.mtp_num_hidden_layers)]
+            self.mtp = MultiTokenPredictor(args, layers)
         # The extension points of hooks.py, at their single-device defaults (set_parallel_hooks):
         self.context_parallel: ContextParallel | None = None  # this rank holds a zigzag share of every row
         self.sharding: ParamSharding = UNSHARDED  # how a sharded parameter maps to this rank's tensor (init)
@@ -158,6 +168,10 @@ class Qwen35MoeModel(nn.Module):
             layer.mixer.set_parallel_hooks(hooks)
             layer.mlp.set_parallel_hooks(hooks)
             layer.runner = run_block if hooks.block_runners is None else hooks.block_runners[index]
+        if self.mtp is not None:
+            for layer in self.mtp.layers.values():
+                layer.mixer.set_parallel_hooks(hooks)
+                layer.mlp.set_parallel_hooks(hooks)
 
     def _apply(self, fn, recurse=True):
         # `to_empty`, `.to()` and the like give each module a new Parameter for every tensor they convert (a tensor
@@ -177,7 +191,8 @@ class Qwen35MoeModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
-                layout: DocumentLayout | None = None, ce_scale: torch.Tensor | None = None) -> CausalLMOutput:
+                layout: DocumentLayout | None = None, ce_scale: torch.Tensor | None = None,
+                mtp: bool = False) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
         document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
         -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time, times
@@ -185,8 +200,14 @@ class Qwen35MoeModel(nn.Module):
         the result with gradient 1, as part of a sum).
         `layout`: the batch's document layout derived on the host (documents.py; under context parallelism by
         `context_parallel.local_layout`), in place of position_ids: spares the GPU the syncs of deriving it.
-        Under context parallelism every tensor holds this rank's zigzag share of the rows."""
+        Under context parallelism every tensor holds this rank's zigzag share of the rows.
+        `mtp`: also run the multi-token-prediction layers (mtp.py) on the final-normed hidden states."""
         batch, seq = input_ids.shape
+        if mtp and self.mtp is None:
+            raise ValueError("mtp=True, but the model has no MTP layer (args.mtp_num_hidden_layers is 0)")
+        if mtp and self.context_parallel is not None:
+            raise NotImplementedError("MTP under context parallelism: the shift to x_{t+1} must cross the zigzag "
+                                      "chunks of the CP ranks, which is not implemented")
         # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
         # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
         if layout is not None:
@@ -203,9 +224,7 @@ class Qwen35MoeModel(nn.Module):
 
         if self.weight_copies is not None:
             self.weight_copies.refresh()
-        h = self.embed_tokens(input_ids)  # rows looked up, then cast: the table's gradient is summed in its own dtype
-        if self.compute_dtype is not None:
-            h = h.to(self.compute_dtype)
+        h = self._embed(input_ids)
         counts, prob_sums = [], []
         for layer in self.layers.values():
             h, layer_counts, layer_prob_sums = layer(h, layout)
@@ -214,7 +233,18 @@ class Qwen35MoeModel(nn.Module):
         stats = RouterStats(torch.stack(counts), torch.stack(prob_sums), num_tokens=batch * seq,
                             top_k=self.args.num_experts_per_tok)
         h = self.norm(h)
+        extra = {}
+        if mtp:
+            mtp_hidden, mtp_counts, mtp_prob_sums = self.mtp(h, input_ids, self._embed, layout)
+            extra = dict(mtp_hidden=mtp_hidden, mtp_router_stats=RouterStats(
+                torch.stack(mtp_counts), torch.stack(mtp_prob_sums), num_tokens=batch * seq,
+                top_k=self.args.num_experts_per_tok))
         if labels is None:
-            return CausalLMOutput(logits=self.lm_head(h), router_stats=stats)
+            return CausalLMOutput(logits=self.lm_head(h), router_stats=stats, **extra)
         ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale)
-        return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum)
+        return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum, **extra)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, S) ids -> (B, S, D) in the compute dtype."""
+        h = self.embed_tokens(ids)  # rows looked up, then cast: the table's gradient is summed in its own dtype
+        return h if self.compute_dtype is None else h.to(self.compute_dtype)

@@ -5,9 +5,11 @@ conversion, in order:
 
 HF -> native (`from_hf`), accepting both the text-only and the multimodal layout:
   1. prefix: `model.language_model.` (multimodal) or `model.` (text-only) is removed; `lm_head.weight`
-     stays as is. Vision tower (`model.visual.*`) and multi-token-prediction (`mtp.*`) weights are
-     skipped, with one log line saying how many.
-  2. experts: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` ((I, D), (I, D), (D, I)) are fused
+     stays as is. Multi-token-prediction weights `mtp.*` (top level in both layouts, as in the releases) keep
+     their names: the native MTP module is `mtp` (mtp.py); a model without one (mtp_num_hidden_layers 0) skips
+     them, as it skips the vision tower (`model.visual.*`), with one log line saying how many.
+  2. experts: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` ((I, D), (I, D), (D, I)), in the main
+     layers and in `mtp.layers.*` alike, are fused
      into `mlp.experts.gate_up_proj` (E, 2I, D) = cat(gate, up) per expert and `mlp.experts.down_proj`
      (E, D, I). Already fused checkpoints pass through.
   3. fp32 SSM gate: `linear_attn.A_log` / `linear_attn.dt_bias` are routed into the
@@ -21,9 +23,10 @@ HF -> native (`from_hf`), accepting both the text-only and the multimodal layout
 
 native -> HF (`to_hf`), always the text-only CausalLM layout with fused experts:
   1. `_fp32_params.` holder stripped; A_log / dt_bias emitted in fp32.
-  2. `model.` prefix added to everything but `lm_head.weight` (dropped when embeddings are tied).
-  Dtypes are otherwise kept; `hf_export_dtype` gives the dtype each key is written in on export. `to_hf_key`
-  is the renaming for one key.
+  2. `model.` prefix added to everything but `lm_head.weight` (dropped when embeddings are tied) and `mtp.*`
+     (top level, its official place).
+  Dtypes are otherwise kept; `hf_export_dtype` gives the dtype each key is written in on export (`mtp.*` as the
+  main layers' tensors of the same kind). `to_hf_key` is the renaming for one key.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from .fp32_contract import (
 
 logger = logging.getLogger(__name__)
 
-_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_PER_EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SKIPPED_PREFIXES = ("model.visual.", "visual.")
+_MTP = "mtp."
 _LM_HEAD = "lm_head.weight"
 
 
@@ -101,6 +105,8 @@ class Qwen35MoeStateDictAdapter:
         """The HF key a native key is exported under (None: a tied lm_head, not written)."""
         if key == _LM_HEAD:
             return None if self.args.tie_word_embeddings else key
+        if key.startswith(_MTP):
+            return key
         return "model." + strip_fp32_holder_key(key)
 
     # ---- HF -> native ----
@@ -119,10 +125,11 @@ class Qwen35MoeStateDictAdapter:
         multimodal = any(k.startswith("model.language_model.") for k in hf_keys)
         prefix = "model.language_model." if multimodal else "model."
         renamed, skipped = {}, 0  # native-style name (before fusing and routing) -> HF key
+        has_mtp = self.args.mtp_num_hidden_layers > 0
         for key in hf_keys:
-            if key.startswith(_SKIPPED_PREFIXES):
+            if key.startswith(_SKIPPED_PREFIXES) or (key.startswith((_MTP, "model.mtp.")) and not has_mtp):
                 skipped += 1
-            elif key == _LM_HEAD or not key.startswith(prefix):
+            elif key == _LM_HEAD or key.startswith(_MTP) or not key.startswith(prefix):
                 renamed[key] = key  # lm_head, or a stray key that validation reports as unexpected
             else:
                 renamed[key[len(prefix) :]] = key
@@ -170,6 +177,8 @@ class Qwen35MoeStateDictAdapter:
         expected = self.expected_shapes
         missing, unexpected = expected.keys() - set(keys), set(keys) - expected.keys()
         problems = [f"missing keys: {_short(missing)}"] if missing else []
+        if missing and all(k.startswith(_MTP) for k in missing):
+            problems.append("the checkpoint has no multi-token-prediction layer: load it with mtp_num_hidden_layers 0")
         problems += [f"unexpected keys: {_short(unexpected)}"] if unexpected else []
         self._raise(problems)
 

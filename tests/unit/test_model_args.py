@@ -42,6 +42,7 @@ OFFICIAL_35B_A3B_TEXT_CONFIG = {
     "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False, "attention_bias": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
 }
 
 
@@ -51,7 +52,8 @@ def test_35b_flavor_is_the_official_config_and_has_its_exact_parameter_count():
     (router 256*2048, experts 256*(2*512)*2048 + 256*2048*512, shared expert 3*2048*512, its gate 2048);
     10 attention layers (q 2048*16*256*2, k and v 2048*2*256 each, o 16*256*2048, q/k norms 2*256);
     30 Gated DeltaNet layers (qkv 2048*8192, z 2048*4096, a and b 2048*32 each, conv 8192*4, A_log and dt_bias
-    32 each, norm 128, out 4096*2048). Dropping any component (e.g. the shared experts, 123M) changes it."""
+    32 each, norm 128, out 4096*2048). Dropping any component (e.g. the shared experts, 123M) changes it.
+    The MTP layer (transformers has none) adds fc 4096*2048, three norms and one attention layer with its MoE."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     assert get_flavor("35B-A3B") == Qwen35MoeArgs.from_hf_config(OFFICIAL_35B_A3B_TEXT_CONFIG)
@@ -64,7 +66,9 @@ def test_35b_flavor_is_the_official_config_and_has_its_exact_parameter_count():
     with torch.device("meta"):
         ours = Qwen35MoeModel(get_flavor("35B-A3B"))
         theirs = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**OFFICIAL_35B_A3B_TEXT_CONFIG))
-    assert sum(p.numel() for p in ours.parameters()) == by_hand
+    mtp = 4096 * 2048 + 3 * 2048 + 4096 + moe + attention
+    assert sum(p.numel() for p in ours.parameters()) == by_hand + mtp
+    assert sum(p.numel() for p in ours.parameters() if p not in set(ours.mtp.parameters())) == by_hand
     assert sum(p.numel() for p in theirs.parameters()) == by_hand
 
 

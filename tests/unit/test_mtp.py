@@ -1,0 +1,283 @@
+"""The multi-token-prediction layer: its forward against a float64 reference written from vLLM's definition
+(models/qwen35_moe/mtp.py), packed documents, and the `mtp.*` checkpoint names, dtypes and config fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.qwen35_moe import (
+    Qwen35MoeArgs,
+    Qwen35MoeStateDictAdapter,
+    from_pretrained,
+    load_hf_state_dict,
+    save_hf_checkpoint,
+)
+from models.qwen35_moe.state_dict_adapter import hf_export_dtype
+from tests.builders import initialized_model
+from tests.hf_reference import TINY_HF_CONFIG, force_transformers_torch_kernels
+
+TINY_MTP_CONFIG = {**TINY_HF_CONFIG, "mtp_num_hidden_layers": 1}
+ARGS = Qwen35MoeArgs.from_hf_config(TINY_MTP_CONFIG)
+
+# The text fields of the released Qwen3.5-MoE config.json (the 35B-A3B `text_config`'s keys, as public copies of
+# it list them), at the tiny shapes of TINY_HF_CONFIG: the fixture of the config round trip.
+OFFICIAL_SHAPED_TEXT_CONFIG = {
+    "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "bos_token_id": 248044,
+    "dtype": "bfloat16", "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 16, "hidden_act": "silu",
+    "hidden_size": 32, "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 8,
+    "mamba_ssm_dtype": "float32", "max_position_embeddings": 512, "model_type": "qwen3_5_moe_text",
+    "moe_intermediate_size": 16, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+    "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+    "num_key_value_heads": 2, "output_router_logits": False, "pad_token_id": None, "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-6, "rope_parameters": {"mrope_interleaved": True, "mrope_section": [2, 1, 1],
+                                              "partial_rotary_factor": 0.5, "rope_theta": 10000,
+                                              "rope_type": "default"},
+    "shared_expert_intermediate_size": 24, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 96,
+}
+OFFICIAL_SHAPED_CONFIG = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "text_config": OFFICIAL_SHAPED_TEXT_CONFIG, "tie_word_embeddings": False, "vision_config": {"depth": 1},
+}
+# What the text-only CausalLM export writes beyond the official text fields: its class, and two training fields
+# transformers reads (their defaults in transformers' Qwen3_5MoeTextConfig).
+EXPORT_ONLY_FIELDS = {"architectures", "initializer_range", "router_aux_loss_coef"}
+
+
+def _perturbed_model(args=ARGS, seed=0, dtype=torch.float64):
+    """Weights away from their init, so the norms (init 0), router and gates all matter."""
+    model = initialized_model(args, seed).to(dtype)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and not name.endswith(("A_log", "dt_bias")):
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.2)
+            elif p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    return model
+
+
+def _ids(seed=1, batch=2, seq=24, vocab=96):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- the reference: vLLM's Qwen3_5MultiTokenPredictor.forward in plain float64 torch ops ----
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def _rope(x, pos, rotary_dim, theta):
+    """x (B, S, H, D); rotate-half RoPE on the first rotary_dim channels."""
+    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ang = pos.double()[..., None] * inv
+    cos, sin = torch.cat((ang, ang), -1).cos()[:, :, None], torch.cat((ang, ang), -1).sin()[:, :, None]
+    r, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    r1, r2 = r.chunk(2, -1)
+    return torch.cat((r * cos + torch.cat((-r2, r1), -1) * sin, rest), -1)
+
+
+def _reference_mtp(sd, args, hidden, ids, positions):
+    """hidden: the main model's final-normed states; ids (B, S); positions (B, S) restarting per document."""
+    p = "mtp."
+    B, S, D = hidden.shape
+    nxt = torch.cat((ids[:, 1:], ids[:, -1:]), 1)
+    emb = sd["embed_tokens.weight"][nxt]
+    x = torch.cat((_rms(emb, sd[p + "pre_fc_norm_embedding.weight"]), _rms(hidden, sd[p + "pre_fc_norm_hidden.weight"])), -1)
+    x = x @ sd[p + "fc.weight"].T
+    lp = p + "layers.0."
+    # gated attention
+    H, KV, hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    a = _rms(x, sd[lp + "input_layernorm.weight"])
+    qg = (a @ sd[lp + "self_attn.q_proj.weight"].T).view(B, S, H, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(B, S, H * hd)
+    k = (a @ sd[lp + "self_attn.k_proj.weight"].T).view(B, S, KV, hd)
+    v = (a @ sd[lp + "self_attn.v_proj.weight"].T).view(B, S, KV, hd)
+    q, k = _rms(q, sd[lp + "self_attn.q_norm.weight"]), _rms(k, sd[lp + "self_attn.k_norm.weight"])
+    q, k = _rope(q, positions, args.rotary_dim, args.rope_theta), _rope(k, positions, args.rotary_dim, args.rope_theta)
+    k, v = k.repeat_interleave(H // KV, 2), v.repeat_interleave(H // KV, 2)
+    doc = (positions == 0).cumsum(1)
+    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / hd**0.5
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    attn = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(B, S, H * hd)
+    x = x + (attn * torch.sigmoid(gate)) @ sd[lp + "self_attn.o_proj.weight"].T
+    # sparse MoE with shared expert
+    m = _rms(x, sd[lp + "post_attention_layernorm.weight"]).reshape(B * S, D)
+    probs = (m @ sd[lp + "mlp.gate.weight"].T).softmax(-1)
+    w, sel = probs.topk(args.num_experts_per_tok, -1)
+    w = w / w.sum(-1, keepdim=True)
+    gate_up, down = sd[lp + "mlp.experts.gate_up_proj"], sd[lp + "mlp.experts.down_proj"]
+    routed = torch.zeros_like(m)
+    for n in range(B * S):
+        for slot in range(sel.shape[1]):
+            e = sel[n, slot]
+            g_, u_ = (gate_up[e] @ m[n]).chunk(2)
+            routed[n] += w[n, slot] * (down[e] @ (F.silu(g_) * u_))
+    se = lp + "mlp.shared_expert."
+    shared = (F.silu(m @ sd[se + "gate_proj.weight"].T) * (m @ sd[se + "up_proj.weight"].T)) @ sd[se + "down_proj.weight"].T
+    shared = torch.sigmoid(m @ sd[lp + "mlp.shared_expert_gate.weight"].T) * shared
+    x = x + (routed + shared).view(B, S, D)
+    return _rms(x, sd[p + "norm.weight"])
+
+
+def _final_hidden(model, ids, positions):
+    captured = {}
+    handle = model.norm.register_forward_hook(lambda m, i, out: captured.setdefault("h", out))
+    with torch.no_grad():
+        out = model(ids, positions, mtp=True)
+    handle.remove()
+    return out, captured["h"]
+
+
+def test_mtp_forward_matches_float64_reference_with_packed_documents():
+    model = _perturbed_model()
+    ids = _ids()
+    positions = torch.stack((torch.cat((torch.arange(10), torch.arange(14))), torch.arange(24)))
+    out, hidden = _final_hidden(model, ids, positions)
+    ref = _reference_mtp(model.state_dict(), ARGS, hidden, ids, positions)
+    # Float64 but for RoPE, which rope.py computes in fp32 by design (~3e-8 here); a wrong definition (concat order,
+    # which hidden state, norm form, positions) is off by O(0.1).
+    torch.testing.assert_close(out.mtp_hidden[0], ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.lm_head(out.mtp_hidden[0]), ref @ model.lm_head.weight.T, rtol=1e-6, atol=1e-6)
+
+
+def test_mtp_of_packed_documents_equals_each_document_alone():
+    """Attention in the MTP layer stays inside each document: every position but a document's last (whose x_{t+1}
+    is the next document's first token, a target to ignore) gets the output of its document run alone."""
+    model = _perturbed_model()
+    a, b = _ids(seed=2, batch=1, seq=11), _ids(seed=3, batch=1, seq=9)
+    positions = torch.cat((torch.arange(11), torch.arange(9)))[None]
+    with torch.no_grad():
+        packed = model(torch.cat((a, b), 1), positions, mtp=True).mtp_hidden[0]
+        alone = [model(x, mtp=True).mtp_hidden[0] for x in (a, b)]
+    torch.testing.assert_close(packed[:, :10], alone[0][:, :10], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(packed[:, 11:19], alone[1][:, :8], rtol=1e-10, atol=1e-10)
+
+
+def test_model_without_mtp_is_unchanged_and_refuses_mtp():
+    """An MTP layer adds parameters of its own only: the main weights (drawn per name) and logits are the same."""
+    with_mtp, without = initialized_model(ARGS, seed=4), initialized_model(Qwen35MoeArgs.from_hf_config(TINY_HF_CONFIG), seed=4)
+    ids = _ids(seed=5)
+    with torch.no_grad():
+        plain = with_mtp(ids)
+        assert plain.mtp_hidden is None
+        assert torch.equal(plain.logits, without(ids).logits)
+        assert torch.equal(with_mtp(ids, mtp=True).logits, plain.logits)
+    assert without.mtp is None and not any(k.startswith("mtp.") for k in without.state_dict())
+    with pytest.raises(ValueError, match="no MTP layer"):
+        without(ids, mtp=True)
+
+
+def test_mtp_norms_start_at_identity_and_fc_is_random():
+    model = initialized_model(ARGS)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        assert torch.all(getattr(model.mtp, name).weight == 0)  # zero-centred: scale 1 + w
+    assert model.mtp.fc.weight.shape == (32, 64) and model.mtp.fc.weight.std() > 0
+
+
+# ---- checkpoint names, dtypes, config ----
+
+def _official_text_only(model) -> dict:
+    """The model's HF tensors in the official dtypes (bf16 but the fp32 GDN tensors), experts fused."""
+    hf = Qwen35MoeStateDictAdapter(ARGS).to_hf(model.state_dict())
+    return {k: v.to(hf_export_dtype(k, torch.bfloat16)) for k, v in hf.items()}
+
+
+def _per_expert(hf: dict) -> dict:
+    out = {}
+    for k, v in hf.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base = k.removesuffix(".gate_up_proj")
+            for e, w in enumerate(v):
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = w.chunk(2, dim=0)
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k.removesuffix(".down_proj")
+            for e, w in enumerate(v):
+                out[f"{base}.{e}.down_proj.weight"] = w
+        else:
+            out[k] = v
+    return out
+
+
+def _multimodal(hf: dict) -> dict:
+    """The release's layout: text under model.language_model., mtp.* and lm_head at the top level."""
+    out = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v for k, v in hf.items()}
+    out["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    return out
+
+
+def test_mtp_keys_are_exported_under_their_official_names_and_dtypes():
+    hf = _official_text_only(initialized_model(ARGS))
+    mtp = sorted(k for k in hf if k.startswith("mtp."))
+    assert "mtp.fc.weight" in mtp and "mtp.norm.weight" in mtp and "mtp.layers.0.mlp.experts.gate_up_proj" in mtp
+    assert {"mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"} <= set(mtp)
+    assert not any(k.startswith("model.mtp") for k in hf)
+    assert all(hf[k].dtype == torch.bfloat16 for k in mtp)
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert", "multimodal_per_expert"])
+def test_official_layouts_with_mtp_round_trip_tensor_for_tensor(layout):
+    adapter = Qwen35MoeStateDictAdapter(ARGS)
+    official = _official_text_only(_perturbed_model(dtype=torch.float32))
+    source = {"fused": official, "per_expert": _per_expert(official),
+              "multimodal_per_expert": _multimodal(_per_expert(official))}[layout]
+    back = adapter.to_hf(adapter.from_hf(source))
+    assert back.keys() == official.keys()
+    for k, v in official.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_checkpoint_without_mtp_names_the_fix():
+    adapter = Qwen35MoeStateDictAdapter(ARGS)
+    hf = {k: v for k, v in _official_text_only(initialized_model(ARGS)).items() if not k.startswith("mtp.")}
+    with pytest.raises(ValueError, match=r"missing keys: mtp\..*mtp_num_hidden_layers 0"):
+        adapter.from_hf(hf)
+
+
+def test_config_json_export_keeps_every_official_field():
+    args = Qwen35MoeArgs.from_hf_config(OFFICIAL_SHAPED_CONFIG)
+    assert args.mtp_num_hidden_layers == 1
+    exported = args.to_hf_config("bfloat16")
+    official = OFFICIAL_SHAPED_TEXT_CONFIG
+    assert set(exported) - set(official) == EXPORT_ONLY_FIELDS
+    assert set(official) <= set(exported)
+    for key, value in official.items():
+        assert exported[key] == value, key
+    assert exported["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    flipped = Qwen35MoeArgs.from_hf_config({**OFFICIAL_SHAPED_TEXT_CONFIG, "use_cache": False, "mtp_num_hidden_layers": 0})
+    assert flipped.to_hf_config()["use_cache"] is False and flipped.to_hf_config()["mtp_num_hidden_layers"] == 0
+
+
+def test_unsupported_mtp_and_gate_fields_are_refused():
+    with pytest.raises(ValueError, match="mtp_use_dedicated_embeddings"):
+        Qwen35MoeArgs.from_hf_config({**TINY_MTP_CONFIG, "mtp_use_dedicated_embeddings": True})
+    with pytest.raises(ValueError, match="attn_output_gate"):
+        Qwen35MoeArgs.from_hf_config({**TINY_MTP_CONFIG, "attn_output_gate": False})
+
+
+def test_export_with_mtp_reloads_exactly_and_loads_in_transformers(tmp_path, monkeypatch):
+    """The folder holds mtp.* beside the text model; from_pretrained gets every tensor back, MTP included, and
+    transformers (which has no MTP) loads the folder, ignoring mtp.*, with our logits."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    force_transformers_torch_kernels(monkeypatch)
+    model = _perturbed_model(dtype=torch.float32)
+    save_hf_checkpoint(model.state_dict(), ARGS, tmp_path / "hf", dtype=torch.float32)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1 and config["mtp_use_dedicated_embeddings"] is False
+    assert any(k.startswith("mtp.") for k in load_hf_state_dict(tmp_path / "hf"))
+    loaded = from_pretrained(tmp_path / "hf")
+    assert loaded.mtp is not None
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+    reloaded = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = _ids(seed=6)
+    with torch.no_grad():
+        diff = (reloaded(input_ids=ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-4, f"max |logits diff| {diff:.3e}"
