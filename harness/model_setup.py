@@ -47,6 +47,12 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
                 load_hf: bool = True, grad_accum_steps: int = 1) -> Qwen35MoeModel:
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
+    if model.mtp is not None:
+        # Loaded, kept and exported as they are, never trained (no MTP loss yet): frozen, and so without
+        # gradients or optimizer state, in every checkpoint alike.
+        model.mtp.requires_grad_(False)
+        logger.info("MTP layer (mtp_num_hidden_layers %d): carried frozen from the initial weights to the export",
+                    args.mtp_num_hidden_layers)
     if device.type == "cuda":
         require_fla()
     if device.type == "cuda" and cfg.model.fla_hopper_backward == "auto":

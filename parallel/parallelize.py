@@ -128,6 +128,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 prefetch.append(module)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
         prefetches.append(prefetch)
+    if model.mtp is not None:  # the MTP layers (run only when a forward asks): a unit of their own, never the root's
+        ignored = set()
+        for module in model.mtp.modules():
+            if isinstance(module, RoutedExperts) and unsharded_experts:
+                ignored.update(module.parameters())
+            elif isinstance(module, RoutedExperts) and expert_mesh is not None:
+                fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1))
+        fully_shard(model.mtp, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     # Units of their own unless vocabulary-parallel; tied, the two share one parameter, which the root keeps.
     if not vocab_params and model.lm_head.weight is not model.embed_tokens.weight:
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -13,8 +13,9 @@ from .fast_adam import FastAdam
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     # No weight decay on 1-D parameters (norm scales, A_log, dt_bias): decaying them pulls the norms
     # and the SSM decay rates toward zero rather than regularising anything.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # not the frozen ones (a carried MTP layer)
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Adam applies weight_decay as an L2 term in the gradient, AdamW decoupled from it.
     if device.type == "cuda":

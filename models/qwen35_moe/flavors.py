@@ -30,10 +30,11 @@ qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
         shared_expert_intermediate_size=32,
         eos_token_id=None,
     ),
-    # The released models carry one multi-token-prediction layer (`mtp_num_hidden_layers: 1` in their config.json).
-    "35B-A3B": Qwen35MoeArgs(mtp_num_hidden_layers=1),
+    # The released models carry one multi-token-prediction layer (`mtp_num_hidden_layers: 1` in their config.json);
+    # the flavors leave it out until training it is supported, so that a run does not carry weights it cannot train.
+    # A run from the release's config.json (model.hf_config) loads it and exports it as it was.
+    "35B-A3B": Qwen35MoeArgs(),
     "122B-A10B": Qwen35MoeArgs(
-        mtp_num_hidden_layers=1,
         hidden_size=3072,
         num_hidden_layers=48,
         num_attention_heads=32,
@@ -42,7 +43,6 @@ qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
         shared_expert_intermediate_size=1024,
     ),
     "397B-A17B": Qwen35MoeArgs(
-        mtp_num_hidden_layers=1,
         hidden_size=4096,
         num_hidden_layers=60,
         num_attention_heads=32,

@@ -281,3 +281,34 @@ def test_export_with_mtp_reloads_exactly_and_loads_in_transformers(tmp_path, mon
     with torch.no_grad():
         diff = (reloaded(input_ids=ids).logits - model(ids).logits).abs().max().item()
     assert diff < 1e-4, f"max |logits diff| {diff:.3e}"
+
+
+def test_a_run_carries_the_mtp_layer_frozen_from_its_initial_weights_to_the_export(tmp_path):
+    """Until MTP trains, a run of a model with an MTP layer keeps it as loaded: no gradient, no optimizer state (so
+    that its checkpoints resume), the export's mtp.* equal to the initial weights (a fresh model of the same seed,
+    exported the same way)."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import load_file
+
+    from harness.checkpoint.hf_weights import export_hf
+    from harness.train import main
+    from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
+
+    args = dataclasses.replace(get_flavor("debugmodel"), mtp_num_hidden_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(args.to_hf_config()))
+    out = tmp_path / "out"
+    flags = ["--model.hf_config", str(tmp_path / "config.json"), "--training.seq_len", "64",
+             "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true",
+             "--checkpoint.interval", "2", "--checkpoint.export_hf_at_end", "true", "--checkpoint.export_dtype",
+             "float32", "--job.dump_folder", str(out)]
+    assert main([*flags, "--training.steps", "2"]) == 0
+    assert main([*flags, "--training.steps", "4"]) == 0  # resumes: the checkpoint holds no MTP optimizer state
+    fresh = Qwen35MoeModel(Qwen35MoeArgs.from_hf_config(str(tmp_path / "config.json")))
+    fresh.init_weights(42)  # debug_model.toml's training.seed
+    export_hf(fresh, fresh.args, str(tmp_path / "fresh"), torch.float32)
+    trained, initial = load_file(out / "hf" / "model.safetensors"), load_file(tmp_path / "fresh" / "model.safetensors")
+    mtp_keys = [k for k in initial if k.startswith("mtp.")]
+    assert mtp_keys and all(torch.equal(trained[k], initial[k]) for k in mtp_keys)
+    assert not torch.equal(trained["model.layers.0.mlp.gate.weight"], initial["model.layers.0.mlp.gate.weight"])
