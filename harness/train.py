@@ -21,12 +21,14 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from .config import ConfigError, with_default_config
 from .preflight import check_launch
 
 BAD_INPUT, DIVERGED, INTERRUPTED, TERMINATED_STARTING = 2, 3, 130, 143  # 143: 128 + SIGTERM, as the shell reports
 STARTING = "interrupted while starting; nothing saved"
+SHARED_ERROR_GRACE_S = 3.0  # how long a rank that leaves an error to rank 0 waits before it exits
 PID_FILE, STOP_FILE = "pid.rank", "stop"  # in QWEN35_EXIT_DIR: a rank's pid; the signal the launcher received
 TERMINATED_WHILE_STARTING = "stopped on SIGTERM while starting; nothing saved"
 
@@ -150,6 +152,12 @@ def _fail(code: int, err: Exception, shared: bool = False) -> int:
     if not shared or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {err}", file=sys.stderr, flush=True)
     _record_exit(code)
+    if shared and int(os.environ.get("RANK", "0")) != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun stops every worker once one exits with an error: leave rank 0 the time to print the line, and
+        # take torchrun's SIGTERM meanwhile as what it is, the end of a run that has already failed
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(SHARED_ERROR_GRACE_S)
     return code
 
 

@@ -48,9 +48,10 @@ def test_smoke_run_loss_falls_and_metrics_have_the_keys(tmp_path, capsys):
 
 def test_a_fresh_run_keeps_its_tensorboard_events_apart_from_an_earlier_run(tmp_path):
     flags = ["--training.steps", "1", "--metrics.enable_tensorboard", "true"]
-    started = time.time()
     assert _run(tmp_path, *flags) == 0
-    time.sleep(max(0.0, int(started) + 1 - time.time()))  # run folders are named by start time, to the second
+    # Run folders are named by start time, to the second: the second run starts in a later second than the first's.
+    first = time.mktime(time.strptime(next((tmp_path / "out" / "tb").iterdir()).name, "%Y%m%d-%H%M%S"))
+    time.sleep(max(0.0, first + 1 - time.time()))
     assert _run(tmp_path, *flags) == 0
     runs = sorted(p for p in (tmp_path / "out" / "tb").iterdir())
     assert len(runs) == 2 and all(any(f.name.startswith("events.out.tfevents") for f in r.iterdir()) for r in runs)
