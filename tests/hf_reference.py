@@ -77,3 +77,28 @@ def build_hf_model(config_dict: dict, seed: int = 0):
             else:
                 p.copy_(torch.randn_like(p) * 0.1)
     return model
+
+
+def official_dtypes(hf: dict) -> dict:
+    """An HF state dict in the official release's dtypes: bf16 except the fp32 GDN tensors."""
+    from models.qwen35_moe.state_dict_adapter import hf_export_dtype
+
+    return {k: v.to(hf_export_dtype(k, torch.bfloat16)) for k, v in hf.items()}
+
+
+def per_expert(hf: dict) -> dict:
+    """Split fused experts into the per-expert HF layout."""
+    out = {}
+    for k, v in hf.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base = k.removesuffix(".gate_up_proj")
+            for e, w in enumerate(v):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = gate, up
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k.removesuffix(".down_proj")
+            for e, w in enumerate(v):
+                out[f"{base}.{e}.down_proj.weight"] = w
+        else:
+            out[k] = v
+    return out

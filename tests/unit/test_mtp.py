@@ -16,9 +16,8 @@ from models.qwen35_moe import (
     load_hf_state_dict,
     save_hf_checkpoint,
 )
-from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 from tests.builders import initialized_model
-from tests.hf_reference import TINY_HF_CONFIG, force_transformers_torch_kernels
+from tests.hf_reference import TINY_HF_CONFIG, force_transformers_torch_kernels, official_dtypes, per_expert
 
 TINY_MTP_CONFIG = {**TINY_HF_CONFIG, "mtp_num_hidden_layers": 1}
 ARGS = Qwen35MoeArgs.from_hf_config(TINY_MTP_CONFIG)
@@ -184,24 +183,7 @@ def test_mtp_norms_start_at_identity_and_fc_is_random():
 
 def _official_text_only(model) -> dict:
     """The model's HF tensors in the official dtypes (bf16 but the fp32 GDN tensors), experts fused."""
-    hf = Qwen35MoeStateDictAdapter(ARGS).to_hf(model.state_dict())
-    return {k: v.to(hf_export_dtype(k, torch.bfloat16)) for k, v in hf.items()}
-
-
-def _per_expert(hf: dict) -> dict:
-    out = {}
-    for k, v in hf.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            base = k.removesuffix(".gate_up_proj")
-            for e, w in enumerate(v):
-                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = w.chunk(2, dim=0)
-        elif k.endswith("mlp.experts.down_proj"):
-            base = k.removesuffix(".down_proj")
-            for e, w in enumerate(v):
-                out[f"{base}.{e}.down_proj.weight"] = w
-        else:
-            out[k] = v
-    return out
+    return official_dtypes(Qwen35MoeStateDictAdapter(ARGS).to_hf(model.state_dict()))
 
 
 def _multimodal(hf: dict) -> dict:
@@ -224,8 +206,8 @@ def test_mtp_keys_are_exported_under_their_official_names_and_dtypes():
 def test_official_layouts_with_mtp_round_trip_tensor_for_tensor(layout):
     adapter = Qwen35MoeStateDictAdapter(ARGS)
     official = _official_text_only(_perturbed_model(dtype=torch.float32))
-    source = {"fused": official, "per_expert": _per_expert(official),
-              "multimodal_per_expert": _multimodal(_per_expert(official))}[layout]
+    source = {"fused": official, "per_expert": per_expert(official),
+              "multimodal_per_expert": _multimodal(per_expert(official))}[layout]
     back = adapter.to_hf(adapter.from_hf(source))
     assert back.keys() == official.keys()
     for k, v in official.items():

@@ -17,36 +17,13 @@ from models.qwen35_moe import (
 )
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 from tests.builders import initialized_model
-from tests.hf_reference import TINY_HF_CONFIG
+from tests.hf_reference import TINY_HF_CONFIG, official_dtypes, per_expert
 
 ARGS = Qwen35MoeArgs.from_hf_config(TINY_HF_CONFIG)
 
 
 def _native_model(seed=0) -> Qwen35MoeModel:
     return initialized_model(ARGS, seed)
-
-
-def _official_dtypes(hf: dict) -> dict:
-    """An HF state dict in the official release's dtypes: bf16 except the fp32 GDN tensors."""
-    return {k: v.to(hf_export_dtype(k, torch.bfloat16)) for k, v in hf.items()}
-
-
-def _per_expert(hf: dict) -> dict:
-    """Split fused experts into the per-expert HF layout."""
-    out = {}
-    for k, v in hf.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            base = k.removesuffix(".gate_up_proj")
-            for e, w in enumerate(v):
-                gate, up = w.chunk(2, dim=0)
-                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = gate, up
-        elif k.endswith("mlp.experts.down_proj"):
-            base = k.removesuffix(".down_proj")
-            for e, w in enumerate(v):
-                out[f"{base}.{e}.down_proj.weight"] = w
-        else:
-            out[k] = v
-    return out
 
 
 def test_native_state_dict_holds_fp32_gate_in_holder():
@@ -56,7 +33,7 @@ def test_native_state_dict_holds_fp32_gate_in_holder():
     assert not any(k.endswith("linear_attn.A_log") for k in sd)
 
 
-def test_hf_export_has_no_holder_and_official_dtypes():
+def test_hf_export_has_no_holder_andofficial_dtypes():
     hf = Qwen35MoeStateDictAdapter(ARGS).to_hf(_native_model().state_dict())
     assert not any("_fp32_params" in k for k in hf)
     assert "model.layers.0.linear_attn.A_log" in hf and "lm_head.weight" in hf
@@ -71,8 +48,8 @@ def test_hf_export_has_no_holder_and_official_dtypes():
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
 def test_hf_native_hf_round_trip_is_bit_exact(layout):
     adapter = Qwen35MoeStateDictAdapter(ARGS)
-    fused = _official_dtypes(adapter.to_hf(_native_model().state_dict()))
-    source = fused if layout == "fused" else _per_expert(fused)
+    fused = official_dtypes(adapter.to_hf(_native_model().state_dict()))
+    source = fused if layout == "fused" else per_expert(fused)
     back = adapter.to_hf(adapter.from_hf(source))
     assert back.keys() == fused.keys()
     for k, v in fused.items():
@@ -147,7 +124,7 @@ def test_unexpected_key_is_named():
 
 def test_incomplete_per_expert_checkpoint_is_named():
     adapter = Qwen35MoeStateDictAdapter(ARGS)
-    hf = _per_expert(adapter.to_hf(_native_model().state_dict()))
+    hf = per_expert(adapter.to_hf(_native_model().state_dict()))
     del hf["model.layers.1.mlp.experts.5.up_proj.weight"]
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.5\.up_proj\.weight"):
         adapter.from_hf(hf)
