@@ -16,6 +16,7 @@ import torch
 
 from models.qwen35_moe import get_flavor
 from tests.distributed.launch import Run, register
+from tests.distributed.trainer_runs import assert_same_grads
 
 STEP = "tests.distributed.fsdp_step_worker:step"
 SKEWED = "--skewed-routing"
@@ -123,14 +124,6 @@ def assert_same_step(got: dict, ref: dict) -> None:
     # The parameters FSDP leaves whole on every rank (parallel/replicated_params.py): after the step every
     # rank's copy and gradient are bitwise the same (averaged gradients, the same update).
     assert ref["replica_spread"] is None and got["replica_spread"] == 0.0
-
-
-def assert_same_grads(got: dict, ref: dict) -> None:
-    for key, want in ref["grads"].items():
-        rel = ((got["grads"][key] - want).norm() / want.norm().clamp_min(1e-30)).item()
-        # Measured at most 8.1e-13 (A_log of a GDN layer, in every layout); a wrong head, chunk or document
-        # boundary gives O(1).
-        assert rel < 1e-9, f"{key}: relative grad difference {rel:.2e}"
 
 
 def test_tied_embeddings_on_an_uneven_vocabulary_match_single_process(launches):

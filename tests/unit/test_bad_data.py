@@ -239,11 +239,17 @@ def test_the_quick_check_samples_a_large_cache_and_the_full_check_and_each_row_r
         next(loader)
 
 
-def test_a_fresh_build_is_checked_in_full(tmp_path, monkeypatch):
+def recorded_verify_modes(monkeypatch) -> list[str]:
+    """The `verify` mode of every open of a dataset cache from now on, in order."""
     modes = []
     real_open = token_cache.open_cache
     monkeypatch.setattr(token_cache, "open_cache", lambda folder, vocab, verify: modes.append(verify) or
                         real_open(folder, vocab, verify))
+    return modes
+
+
+def test_a_fresh_build_is_checked_in_full(tmp_path, monkeypatch):
+    modes = recorded_verify_modes(monkeypatch)
     source = write_jsonl(tmp_path / "d.jsonl", random_documents(10))
     build(source, tmp_path / "cache")
     build(source, tmp_path / "cache")
@@ -341,10 +347,7 @@ def test_sigterm_during_the_cache_build_removes_the_temporary_folder_and_says_so
 def test_the_trainer_opens_its_cache_as_training_dataset_cache_verify_says(tmp_path, monkeypatch):
     from harness.train import main
 
-    modes = []
-    real_open = token_cache.open_cache
-    monkeypatch.setattr(token_cache, "open_cache", lambda folder, vocab, verify: modes.append(verify) or
-                        real_open(folder, vocab, verify))
+    modes = recorded_verify_modes(monkeypatch)
     source = write_jsonl(tmp_path / "d.jsonl", random_documents(40))
     flags = ["--training.dataset_path", str(source), "--training.seq_len", "32", "--training.local_batch_size", "2",
              "--training.steps", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.export_hf_at_end", "false",
