@@ -68,6 +68,13 @@ from .token_cache import TokenCache, Verify
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+
+
+def _report_left_out(count: int, dp_rank: int, what: str, latest: str) -> None:
+    """A stream's rows left out so far, logged at the 1st, 10th, 100th and every 1000th: a stream has no end to
+    report them at, and a line per row would flood the log."""
+    if count in (1, 10, 100) or count % 1000 == 0:
+        logger.warning(f"data: dp rank {dp_rank} left out {count} {what} so far (the latest: {latest})")
 UNIT_BYTES = 64 << 20  # work unit of the cache build: enough units to spread over ranks, each worth a seek
 PREFETCH_BATCHES = 4  # hf: batches packed ahead of the training step
 _END = object()  # end of a pass over the documents
@@ -271,9 +278,7 @@ class StreamPacker:
     def _append_document(self, text: str | Skipped) -> None:
         if isinstance(text, Skipped):
             self.skipped += 1
-            if self.skipped in (1, 10, 100) or self.skipped % 1000 == 0:
-                logger.warning(f"data: dp rank {self.dp_rank} left out {self.skipped} rows with a null text field so "
-                               f"far (the latest: {text.locate()})")
+            _report_left_out(self.skipped, self.dp_rank, "rows with a null text field", text.locate())
             return
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
         ids = ([bos] if bos is not None else []) + self.tokenizer.encode(text) + ([eos] if eos is not None else [])
@@ -411,9 +416,8 @@ class ChatStreamPacker(StreamPacker):
             self.encoder.finish()  # ids that differ from apply_chat_template's stop the stream at once
             if isinstance(encoded, Skipped):
                 self.skipped += 1
-                if self.skipped in (1, 10, 100) or self.skipped % 1000 == 0:
-                    logger.warning(f"data: dp rank {self.dp_rank} left out {self.skipped} conversations that cannot "
-                                   f"be trained on so far (the latest: {encoded.locate()}: {encoded.reason})")
+                _report_left_out(self.skipped, self.dp_rank, "conversations that cannot be trained on",
+                                 f"{encoded.locate()}: {encoded.reason}")
                 continue
             ids, flags = encoded
             if len(ids) <= R:
