@@ -101,6 +101,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--flavor", default="35B-A3B")
+    parser.add_argument("--mtp-layers", type=int, default=0, help="MTP layers of every variant's model")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--work", default=None, help="folder for the runs' output (default: a new temp dir)")
@@ -116,7 +117,8 @@ def main() -> int:
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(variant.gpus)]
                     if variant.gpus > 1 else [sys.executable])
         command = [*launcher, str(variant.tree / SCRIPT), "--layers", str(args.layers), "--experts", str(args.experts), "--flavor",
-                   args.flavor, "--steps", str(args.steps), "--warmup", str(args.warmup), "--work", str(work), "--",
+                   args.flavor, *(["--mtp-layers", str(args.mtp_layers)] if args.mtp_layers else []),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--work", str(work), "--",
                    *args.shared, *variant.overrides]
         print(f"round {index + 1}/{args.rounds}: {variant.name}: {shlex.join(command)}", flush=True)
         done = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -20,10 +20,12 @@ from models.qwen35_moe import Qwen35MoeArgs, get_flavor
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bench_args(layers: int, experts: int, flavor: str = "35B-A3B") -> Qwen35MoeArgs:
-    """`flavor`'s layer widths with `layers` decoder layers (the flavor's hybrid pattern) and `experts` experts."""
+def bench_args(layers: int, experts: int, flavor: str = "35B-A3B", mtp_layers: int = 0) -> Qwen35MoeArgs:
+    """`flavor`'s layer widths with `layers` decoder layers (the flavor's hybrid pattern), `experts` experts and
+    `mtp_layers` MTP layers (none by default, so that figures compare with those of models without them)."""
     base = get_flavor(flavor)
-    return Qwen35MoeArgs(**{**vars(base), "num_hidden_layers": layers, "layer_types": None, "num_experts": experts})
+    return Qwen35MoeArgs(**{**vars(base), "num_hidden_layers": layers, "layer_types": None, "num_experts": experts,
+                            "mtp_num_hidden_layers": mtp_layers})
 
 
 def trainer_argv(hf_config: Path, dump_folder: Path, steps: int) -> list[str]:

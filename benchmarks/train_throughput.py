@@ -39,6 +39,7 @@ def main_bench() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--flavor", default="35B-A3B", help="layer shapes (debugmodel: a quick check on CPU)")
+    parser.add_argument("--mtp-layers", type=int, default=0, help="MTP layers (trained with training.mtp_loss_coef)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures")
     parser.add_argument("--work", default=None, help="folder for the config and run output (default: a new temp dir)")
@@ -46,7 +47,7 @@ def main_bench() -> int:
     ns = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
 
-    args = bench_args(ns.layers, ns.experts, ns.flavor)
+    args = bench_args(ns.layers, ns.experts, ns.flavor, ns.mtp_layers)
     work = Path(ns.work or tempfile.mkdtemp(prefix="qwen35_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     (work / f"config.{rank}.json").write_text(json.dumps(args.to_hf_config()))

@@ -19,6 +19,7 @@ every path absolute, so `--config <dump_folder>/config.toml` repeats a run from 
 import dataclasses
 import difflib
 import json
+import math
 import os
 import sys
 import tomllib
@@ -108,6 +109,10 @@ class Training:
     # chat: a conversation longer than seq_len + 1 tokens is dropped, or truncated to one row (counted in the log)
     chat_overlong: Literal["drop", "truncate"] = "drop"
     aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
+    # Weight of the multi-token-prediction loss (the mean over the MTP depths of each one's token-mean cross entropy
+    # of x_{t+k+2}), for a model with MTP layers (the releases' config.json; flavors 35B-A3B ...): 0.1 as Megatron's
+    # default. 0: the MTP layers are neither run nor trained, carried frozen from the initial weights to the export.
+    mtp_loss_coef: float = 0.1
     # Cross entropy this many tokens at a time (per rank), never holding the whole (tokens x vocab) logits;
     # 0 = all at once. Peak per chunk token ~2 bytes x vocab on CUDA (bf16 logits, their gradient written in place:
     # 0.5 GiB for 1024 tokens of a 248k vocab), ~6 elsewhere; + an fp32 lm_head grad. 4096 is faster and holds
@@ -438,6 +443,9 @@ def _value_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> l
     if (cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot) and cfg.profiling.profile_freq < 2:
         bad(f"profiling.profile_freq must be >= 2 (a warm-up step, then the traced one), got "
             f"{cfg.profiling.profile_freq}", "profiling.profile_freq")
+    if cfg.training.mtp_loss_coef < 0 or not math.isfinite(cfg.training.mtp_loss_coef):
+        bad(f"training.mtp_loss_coef must be >= 0 (0: MTP layers frozen), got {cfg.training.mtp_loss_coef}",
+            "training.mtp_loss_coef")
     if cfg.training.gc_freq < 0:
         bad(f"training.gc_freq must be >= 0 (0: Python's own schedule), got {cfg.training.gc_freq}",
             "training.gc_freq")

@@ -7,9 +7,11 @@ batch gives the same loss and gradients however it is split over data-parallel r
 the cross entropy):
 - cross entropy: summed over this micro-batch's label tokens (by the model, chunked: never the whole logits),
   divided by the label tokens of the global batch;
+- multi-token prediction (training.mtp_loss_coef > 0): depth k's cross entropy summed over its label tokens,
+  divided by the label tokens of depth k in the global batch, averaged over the depths, times the coefficient;
 - balance loss: per micro-batch, routing counts pooled over all ranks (one all-reduce of (layers, experts)
   counts), each rank contributing its own tokens' router probabilities (see `load_balancing_loss`); averaged
-  over the micro-batches of a step.
+  over the micro-batches of a step. Trained, the MTP layers' MoE count among the layers.
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ from .data.loader import IGNORE_INDEX
 
 def global_label_tokens(microbatches: list[dict[str, torch.Tensor]], device: torch.device,
                         distributed: bool) -> torch.Tensor:
-    """Label tokens of the whole global batch (all micro-batches, all ranks), fp32, at least 1."""
-    count = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).to(device, torch.float32)
+    """Label tokens of the whole global batch (all micro-batches, all ranks), fp32, at least 1: (1,), or with MTP
+    labels (`mtp_labels`, (B, S, depth)) (1 + depth,), the MTP depths' after the main loss's. One all-reduce."""
+    def count(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        main = (mb["labels"] != IGNORE_INDEX).sum().reshape(1)
+        if "mtp_labels" not in mb:
+            return main
+        return torch.cat((main, (mb["mtp_labels"] != IGNORE_INDEX).flatten(0, -2).sum(0)))
+
+    counts = sum(count(mb) for mb in microbatches).to(device, torch.float32)
     if distributed:
-        dist.all_reduce(count)
-    return count.clamp_min(1)
+        dist.all_reduce(counts)
+    return counts.clamp_min(1)
 
 
 def balance_loss_share(stats: RouterStats, distributed: bool) -> tuple[torch.Tensor, torch.Tensor]:

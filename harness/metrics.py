@@ -198,8 +198,9 @@ class MetricsLogger:
         loads = "".join(f"{label} {metrics[key]:.2f}  " for key, label in (("expert_load", "load"),
                                                                           ("ep_rank_load", "ep_load"))
                         if key in metrics)
+        mtp = f"mtp_loss {metrics['mtp_loss']:.4f}  " if "mtp_loss" in metrics else ""
         line = (
-            f"{self.prefix}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {metrics['loss']:.4f}  "
+            f"{self.prefix}step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {metrics['loss']:.4f}  {mtp}"
             f"grad_norm {metrics['grad_norm']:.3f}  lr {metrics['lr']:.2e}  {loads}"
             f"tok/s {metrics['tokens_per_sec']:,.0f}  mfu {'n/a' if mfu is None else f'{mfu:.1%}'}  "
             f"mem {metrics['max_memory_gib']:.2f}GiB  eta {_duration(eta) if done else '?'}"

@@ -43,16 +43,24 @@ def _vocab_parallel(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes) -> bool
     return chosen
 
 
+def trains_mtp(cfg: JobConfig, model: Qwen35MoeModel) -> bool:
+    """Whether the run trains the model's MTP layers (it has some, and their loss has a weight)."""
+    return model.mtp is not None and cfg.training.mtp_loss_coef > 0
+
+
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
                 load_hf: bool = True, grad_accum_steps: int = 1) -> Qwen35MoeModel:
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
-    if model.mtp is not None:
-        # Loaded, kept and exported as they are, never trained (no MTP loss yet): frozen, and so without
-        # gradients or optimizer state, in every checkpoint alike.
+    train_mtp = trains_mtp(cfg, model)
+    if model.mtp is not None and not train_mtp:
+        # Loaded, kept and exported as they are, never run: frozen, and so without gradients or optimizer state.
         model.mtp.requires_grad_(False)
-        logger.info("MTP layer (mtp_num_hidden_layers %d): carried frozen from the initial weights to the export",
-                    args.mtp_num_hidden_layers)
+        logger.info("MTP layers (mtp_num_hidden_layers %d): training.mtp_loss_coef is 0, so carried frozen from the "
+                    "initial weights to the export", args.mtp_num_hidden_layers)
+    elif train_mtp:
+        logger.info("MTP layers (mtp_num_hidden_layers %d): trained, loss weight training.mtp_loss_coef %g (0 keeps "
+                    "them frozen)", args.mtp_num_hidden_layers, cfg.training.mtp_loss_coef)
     if device.type == "cuda":
         require_fla()
     if device.type == "cuda" and cfg.model.fla_hopper_backward == "auto":
@@ -78,7 +86,7 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
                            vocab_parallel=meshes is not None and _vocab_parallel(cfg, args, meshes),
                            # one GPU: weights read from kept copies, not cast (models/qwen35_moe/linear.py); with one
                            # backward a step the gradients stay in the copies' bf16, which then holds them exactly
-                           weight_copies=on_gpu, grads_in_copies=grad_accum_steps == 1)
+                           weight_copies=on_gpu, grads_in_copies=grad_accum_steps == 1, train_mtp=train_mtp)
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:

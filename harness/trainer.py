@@ -16,6 +16,8 @@ import time
 import torch
 
 from models.qwen35_moe.documents import document_layout, to_device
+from models.qwen35_moe.moe import RouterStats
+from models.qwen35_moe.mtp import mtp_rows
 from parallel.expert_parallel import scale_expert_gradients
 from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
@@ -36,7 +38,7 @@ from .metrics import (
     peak_flops,
     training_flops_per_token,
 )
-from .model_setup import DTYPES, build_model, build_model_args
+from .model_setup import DTYPES, build_model, build_model_args, trains_mtp
 from .optim.fast_adam import FastAdam
 from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
@@ -100,6 +102,7 @@ class Trainer:
         # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all.
         self.model = build_model(cfg, self.model_args, self.meshes, self.device, load_hf=resume_step is None,
                                  grad_accum_steps=self.layout.grad_accum_steps)
+        self.train_mtp = trains_mtp(cfg, self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         s = cfg.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
@@ -161,11 +164,16 @@ class Trainer:
         os.replace(path + ".tmp", path)
         logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict:
+    def model_inputs(self, batch: dict[str, torch.Tensor], mtp: bool = False) -> dict:
         """The model's keyword arguments for a micro-batch of (host) rows: this rank's share of them on the device
         (all of them, or its zigzag chunks under CP), and their document layout derived on the host (under CP from
-        the whole rows, which every CP rank holds), so that neither costs a GPU sync."""
+        the whole rows, which every CP rank holds), so that neither costs a GPU sync. `mtp`: with the MTP layers'
+        shifted inputs and targets, built from the whole rows (so that under CP the shifts cross chunks and ranks)."""
         positions = batch["position_ids"]
+        extra = {}
+        if mtp:
+            batch = {**batch, **mtp_rows(batch["input_ids"], batch["labels"], positions,
+                                         self.model_args.mtp_num_hidden_layers)}
         # Always the packed layout, also for rows that hold one document each: one path through the kernels and
         # the compiled graphs whatever the data (documents.document_layout).
         cp = self.model.context_parallel
@@ -174,8 +182,11 @@ class Trainer:
         else:
             layout = cp.rows_layout(positions, packed=True, segments=True)
             batch = cp.shard_rows(batch)
+        if mtp:
+            extra = {"mtp": True, "mtp_input_ids": to_device(batch["mtp_input_ids"], self.device),
+                     "mtp_labels": to_device(batch["mtp_labels"], self.device)}
         return {"input_ids": to_device(batch["input_ids"], self.device), "labels": to_device(batch["labels"], self.device),
-                "layout": layout.to(self.device), "loss_chunk_tokens": self.cfg.training.loss_chunk_tokens}
+                "layout": layout.to(self.device), "loss_chunk_tokens": self.cfg.training.loss_chunk_tokens, **extra}
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over the global batch (this data-parallel rank's rows); returns the global loss,
@@ -183,32 +194,46 @@ class Trainer:
         return self._read([(self.step, StepValues(self._step(microbatches), self.clock))])
 
     def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step; returns (loss, aux_loss, grad_norm, expert_load, ep_rank_load) on the device,
-        unread: reading them is a host sync, done every metrics.log_freq steps and before any save (`_read`)."""
+        """One optimizer step; returns (loss, aux_loss, mtp_loss, grad_norm, expert_load, ep_rank_load) on the
+        device, unread: reading them is a host sync, done every metrics.log_freq steps and before any save
+        (`_read`)."""
         self.optimizer.zero_grad(set_to_none=True)
         distributed = self.meshes is not None
-        inputs = [self.model_inputs(mb) for mb in microbatches]
-        n_tokens = global_label_tokens(inputs, self.device, distributed)
+        inputs = [self.model_inputs(mb, mtp=self.train_mtp) for mb in microbatches]
+        n_tokens, *mtp_tokens = global_label_tokens(inputs, self.device, distributed).unbind()
         # Each micro-batch's loss is its share of the global loss; FSDP averages gradients over all ranks
         # (dp_replicate x dp_shard x cp), so the shares are scaled by their number to give the gradient of the global
         # loss (the sum of the shares'). The cross entropy's scale is known before the forward: the model returns
         # the summed cross entropy times it, its gradients computed already scaled (one pass fewer over them).
         world = self.dims.world_size
         ce_scale = world / n_tokens
+        # The MTP loss (harness/loss.py), weighted by its coefficient inside the scales (linear_cross_entropy.py)
+        mtp_weight = self.cfg.training.mtp_loss_coef / max(len(mtp_tokens), 1)
+        mtp_scales = torch.stack(mtp_tokens).reciprocal() * (world * mtp_weight) if mtp_tokens else None
         ce_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
+        mtp_total = torch.zeros((), device=self.device)
         step_counts = 0
         for mb in inputs:
-            out = self.model(**mb, ce_scale=ce_scale)
-            aux, pooled_counts = balance_loss_share(out.router_stats, distributed)
+            out = self.model(**mb, ce_scale=ce_scale, mtp_ce_scales=mtp_scales)
+            stats = out.router_stats
+            if out.mtp_router_stats is not None:  # the MTP layers' MoE balanced with the others
+                stats = RouterStats(torch.cat((stats.counts, out.mtp_router_stats.counts)),
+                                    torch.cat((stats.prob_sums, out.mtp_router_stats.prob_sums)),
+                                    stats.num_tokens, stats.top_k)
+            aux, pooled_counts = balance_loss_share(stats, distributed)
             aux = aux / len(microbatches)
             step_counts = step_counts + pooled_counts
-            (out.ce_sum + aux * (self.aux_loss_coef * world)).backward()
+            loss = out.ce_sum + aux * (self.aux_loss_coef * world)
+            if out.mtp_ce_sum is not None:
+                loss = loss + out.mtp_ce_sum
+                mtp_total += out.mtp_ce_sum.detach() / (world * self.cfg.training.mtp_loss_coef)
+            loss.backward()
             ce_total += out.ce_sum.detach() / world  # this micro-batch's share of the global token-mean CE
             aux_total += aux.detach()
         if self.dims.ep > 1:
             scale_expert_gradients(self.model, self.dims.ep)
-        losses = torch.stack((ce_total, aux_total))
+        losses = torch.stack((ce_total, aux_total, mtp_total))
         if distributed:
             torch.distributed.all_reduce(losses)
         max_norm = self.cfg.training.max_norm
@@ -236,13 +261,16 @@ class Trainer:
         """Read the unread steps' values (`_step`) in one host sync; raise at the first non-finite
         one. Returns the last step's values."""
         values = [v.read() for _, v in pending]
-        for (step, _), (loss, aux_loss, grad_norm, *_) in zip(pending, values):
-            if not math.isfinite(loss) or not math.isfinite(grad_norm):
+        for (step, _), (loss, aux_loss, mtp_loss, grad_norm, *_) in zip(pending, values):
+            if not all(map(math.isfinite, (loss, mtp_loss, grad_norm))):
+                mtp = f", MTP loss {mtp_loss}" if self.train_mtp else ""
                 raise TrainingDivergedError(
-                    f"step {step}: loss is {loss}, grad norm {grad_norm}; stopping without saving "
+                    f"step {step}: loss is {loss}{mtp}, grad norm {grad_norm}; stopping without saving "
                     f"this step. Lower optimizer.lr or check the data.")
-        loss, aux_loss, grad_norm, expert_load, ep_rank_load = values[-1]
+        loss, aux_loss, mtp_loss, grad_norm, expert_load, ep_rank_load = values[-1]
         read = {"loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm, "expert_load": expert_load}
+        if self.train_mtp:
+            read["mtp_loss"] = mtp_loss
         if self.dims.ep > 1:
             read["ep_rank_load"] = ep_rank_load
         return read

@@ -59,7 +59,7 @@ def shard_experts_for_dispatch(model: nn.Module, ep_mesh: DeviceMesh, dispatch: 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
-               vocab_params: list[nn.Parameter] = ()) -> None:
+               vocab_params: list[nn.Parameter] = (), train_mtp: bool = False) -> None:
     """FSDP2 units: each decoder block, the first block's routed experts, the embedding, the lm_head, and the root
     (tied embeddings' one matrix, if any); each GDN layer's fp32 parameters and the final norm's weight are whole
     on every rank instead (below). `vocab_params`: the embedding's and lm_head's weights already sharded by rows
@@ -128,14 +128,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 prefetch.append(module)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep, ignored_params=ignored or None)
         prefetches.append(prefetch)
+    mtp_units = []
     if model.mtp is not None:  # the MTP layers (run only when a forward asks): a unit of their own, never the root's
         ignored = set()
         for module in model.mtp.modules():
             if isinstance(module, RoutedExperts) and unsharded_experts:
                 ignored.update(module.parameters())
             elif isinstance(module, RoutedExperts) and expert_mesh is not None:
-                fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1))
-        fully_shard(model.mtp, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
+                fully_shard(module, mesh=expert_mesh, mp_policy=mp, shard_placement_fn=lambda _: Shard(1),
+                            reshard_after_forward=False)
+                mtp_units.append(module)
+        # Kept gathered after its forward like the last block: the lm_head's forward and then its backward follow.
+        fully_shard(model.mtp, mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
+        mtp_units.insert(0, model.mtp)
     # Units of their own unless vocabulary-parallel; tied, the two share one parameter, which the root keeps.
     if not vocab_params and model.lm_head.weight is not model.embed_tokens.weight:
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -147,7 +152,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     ReplicatedParams(model, replicated, mesh)  # lives on in the hooks it registers
     first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
     model.set_modules_to_forward_prefetch([*first, layers[0]])
-    after_last = [model.lm_head] if isinstance(model.lm_head, FSDPModule) else []
+    head = [model.lm_head] if isinstance(model.lm_head, FSDPModule) else []
+    # Trained, the MTP layers run between the last block and the head (a frozen one never runs: gathered ahead, it
+    # would stay gathered)
+    after_last = head
+    if train_mtp:
+        model.mtp.set_modules_to_forward_prefetch(mtp_units[1:] + head)
+        after_last = [model.mtp]
     for layer, prefetch, following in zip(layers, prefetches, [[block] for block in layers[1:]] + [after_last]):
         layer.set_modules_to_forward_prefetch(prefetch + following)
 
@@ -174,7 +185,8 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
                            cp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
                            expert_fsdp_mesh: DeviceMesh | None = None, expert_dispatch: str = "auto",
                            reshard_after_forward: bool = True, vocab_parallel: bool = False,
-                           weight_copies: bool = False, grads_in_copies: bool = False) -> nn.Module:
+                           weight_copies: bool = False, grads_in_copies: bool = False,
+                           train_mtp: bool = False) -> nn.Module:
     """`mesh`: the FSDP mesh (shard, or replicate x shard), None for a single process; `cp_mesh`: this rank's
     context-parallel group, None without context parallelism; `ep_mesh` / `expert_fsdp_mesh`: the expert-parallel
     group and the FSDP mesh of the experts' weights, None without expert parallelism; `expert_dispatch`: how
@@ -185,7 +197,8 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     `param_dtype`, the model computes in it (`compute_dtype`), casting each weight where it is used, as FSDP's
     mixed precision would, without FSDP's copies and hooks. There `weight_copies` keeps a copy of each weight in
     `param_dtype` that the optimizer rewrites as it updates the weight (models/qwen35_moe/linear.py), holding the
-    weights' gradients too with `grads_in_copies` (one backward a step). Returns the model, parallelized in place."""
+    weights' gradients too with `grads_in_copies` (one backward a step). `train_mtp`: the forward runs the MTP
+    layers (their FSDP unit is gathered ahead, after the last block's). Returns the model, parallelized in place."""
     sharded = mesh is not None and mesh.size() > 1
     hooks = ParallelHooks(sharding=DTensorSharding())
     if cp_mesh is not None:
@@ -196,7 +209,7 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     # checkpoint whole, and a block with graph breaks (FLA's kernels, EP's exchange) cannot be; dynamo then runs
     # the whole block eagerly, in the forward and in the recompute. Full AC compiles the blocks itself, in two
     # halves (activation_checkpointing.py).
-    runners = [layer.runner for layer in model.layers.values()]
+    runners = [layer.runner for layer in model.blocks()]
     if compile and ac_mode != "full":
         # apply_fsdp makes the first block's experts a unit of their own where FSDP runs without EP's expert mesh
         runners = compiled_runners(len(runners), first_block_own_frames=sharded and expert_fsdp_mesh is None)
@@ -211,5 +224,6 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
             hooks.weight_copies = WeightCopies(model, param_dtype, grads_in_copies=grads_in_copies)
     model.set_parallel_hooks(hooks)
     if sharded:
-        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_params)
+        apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_params,
+                   train_mtp=train_mtp)
     return model

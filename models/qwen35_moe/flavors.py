@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from .args import Qwen35MoeArgs
 
@@ -30,10 +31,9 @@ qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
         shared_expert_intermediate_size=32,
         eos_token_id=None,
     ),
-    # The released models carry one multi-token-prediction layer (`mtp_num_hidden_layers: 1` in their config.json);
-    # the flavors leave it out until training it is supported, so that a run does not carry weights it cannot train.
-    # A run from the release's config.json (model.hf_config) loads it and exports it as it was.
-    "35B-A3B": Qwen35MoeArgs(),
+    # The released models: the official config.json's values, each with one multi-token-prediction layer
+    # (`mtp_num_hidden_layers: 1`), trained with weight training.mtp_loss_coef (mtp.py).
+    "35B-A3B": Qwen35MoeArgs(mtp_num_hidden_layers=1),
     "122B-A10B": Qwen35MoeArgs(
         hidden_size=3072,
         num_hidden_layers=48,
@@ -41,6 +41,7 @@ qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
         linear_num_value_heads=64,
         moe_intermediate_size=1024,
         shared_expert_intermediate_size=1024,
+        mtp_num_hidden_layers=1,
     ),
     "397B-A17B": Qwen35MoeArgs(
         hidden_size=4096,
@@ -51,8 +52,11 @@ qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
         num_experts_per_tok=10,
         moe_intermediate_size=1024,
         shared_expert_intermediate_size=1024,
+        mtp_num_hidden_layers=1,
     ),
 }
+# The debug model with one MTP layer: CPU tests and examples of MTP training
+qwen35_moe_flavors["debugmodel_mtp"] = dataclasses.replace(qwen35_moe_flavors["debugmodel"], mtp_num_hidden_layers=1)
 
 
 def get_flavor(name: str) -> Qwen35MoeArgs:

@@ -104,7 +104,8 @@ class ParallelHooks:
     expert_dispatch: Callable[[torch.nn.Module], ExpertDispatch] | None = None
     sharding: ParamSharding = UNSHARDED
     vocab_parallel: VocabParallel | None = None
-    # Per block index: how that block runs (compiled, checkpointed).
+    # Per block index (`Qwen35MoeModel.blocks()`: the main stack's, then the MTP layers'): how that block runs
+    # (compiled, checkpointed).
     block_runners: list[BlockRunner] | None = None
     compute_dtype: torch.dtype | None = None
     weight_copies: WeightCopies | None = None

@@ -29,7 +29,7 @@ from .init import init_weights
 from .kernels.linear_cross_entropy import linear_cross_entropy_sum
 from .linear import Linear, WeightCopies
 from .moe import RouterStats, SparseMoE, load_balancing_loss
-from .mtp import MultiTokenPredictor
+from .mtp import MultiTokenPredictor, shifted_ids
 from .norms import ZeroCenteredRMSNorm
 
 
@@ -46,6 +46,9 @@ class CausalLMOutput:
     # x_{t+k+2} (mtp.py), and the MTP layers' routing statistics (not part of `router_stats`).
     mtp_hidden: list[torch.Tensor] | None = None
     mtp_router_stats: RouterStats | None = None
+    # With `mtp=True` and MTP labels: the MTP depths' cross entropies, each summed over its label tokens and times
+    # that depth's `mtp_ce_scales` entry, summed over the depths.
+    mtp_ce_sum: torch.Tensor | None = None
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -77,11 +80,21 @@ class LMHead(Linear):
         self.vocab_parallel: VocabParallel | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024,
-                ce_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """h (N, D) -> logits (N, vocab), or given labels (N,) the summed cross entropy times `ce_scale`."""
+                ce_scale: torch.Tensor | None = None,
+                more: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ...] = ()):
+        """h (N, D) -> logits (N, vocab), or given labels (N,) the summed cross entropy times `ce_scale`.
+        `more`: further (h, labels, ce_scale) whose sums are computed in the same call (the MTP depths'): under FSDP
+        the weight is then gathered once and its gradient reduced once. With `more`, returns the list of sums."""
         vocab = self.vocab_parallel
         if labels is None:
             return super().forward(h) if vocab is None else F.linear(h, vocab.full(self.weight).to(h.dtype))
+        if more:
+            return [self._ce_sum(*args, chunk_tokens) for args in ((h, labels, ce_scale), *more)]
+        return self._ce_sum(h, labels, ce_scale, chunk_tokens)
+
+    def _ce_sum(self, h: torch.Tensor, labels: torch.Tensor, ce_scale: torch.Tensor | None,
+                chunk_tokens: int) -> torch.Tensor:
+        vocab = self.vocab_parallel
         if vocab is not None:
             total = linear_cross_entropy_sum(h, vocab.local(self.weight), labels, chunk_tokens, vocab=vocab)
             return total if ce_scale is None else total * ce_scale
@@ -164,14 +177,14 @@ class Qwen35MoeModel(nn.Module):
         self.context_parallel, self.sharding = hooks.context_parallel, hooks.sharding
         self.compute_dtype, self.weight_copies = hooks.compute_dtype, hooks.weight_copies
         self.embed_tokens.vocab_parallel = self.lm_head.vocab_parallel = hooks.vocab_parallel
-        for index, layer in enumerate(self.layers.values()):
+        for index, layer in enumerate(self.blocks()):
             layer.mixer.set_parallel_hooks(hooks)
             layer.mlp.set_parallel_hooks(hooks)
             layer.runner = run_block if hooks.block_runners is None else hooks.block_runners[index]
-        if self.mtp is not None:
-            for layer in self.mtp.layers.values():
-                layer.mixer.set_parallel_hooks(hooks)
-                layer.mlp.set_parallel_hooks(hooks)
+
+    def blocks(self) -> list[DecoderLayer]:
+        """Every decoder block: the main stack's, then the MTP layers' (`ParallelHooks.block_runners` order)."""
+        return [*self.layers.values(), *(self.mtp.layers.values() if self.mtp is not None else ())]
 
     def _apply(self, fn, recurse=True):
         # `to_empty`, `.to()` and the like give each module a new Parameter for every tensor they convert (a tensor
@@ -192,7 +205,8 @@ class Qwen35MoeModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
                 layout: DocumentLayout | None = None, ce_scale: torch.Tensor | None = None,
-                mtp: bool = False) -> CausalLMOutput:
+                mtp: bool = False, mtp_input_ids: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
+                mtp_ce_scales: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
         document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
         -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time, times
@@ -201,13 +215,19 @@ class Qwen35MoeModel(nn.Module):
         `layout`: the batch's document layout derived on the host (documents.py; under context parallelism by
         `context_parallel.local_layout`), in place of position_ids: spares the GPU the syncs of deriving it.
         Under context parallelism every tensor holds this rank's zigzag share of the rows.
-        `mtp`: also run the multi-token-prediction layers (mtp.py) on the final-normed hidden states."""
+        `mtp`: also run the multi-token-prediction layers (mtp.py) on the final-normed hidden states, on
+        `mtp_input_ids` (B, S, depth), the tokens x_{t+k+1} of mtp.mtp_rows (derived from input_ids if None; required
+        under context parallelism, where they must come from the whole rows). With labels, `mtp_labels` (B, S,
+        depth; mtp.mtp_rows) gives the MTP cross entropy too, depth k's sum times `mtp_ce_scales[k]` (fp32, as
+        `ce_scale`; None: unscaled)."""
         batch, seq = input_ids.shape
         if mtp and self.mtp is None:
             raise ValueError("mtp=True, but the model has no MTP layer (args.mtp_num_hidden_layers is 0)")
-        if mtp and self.context_parallel is not None:
-            raise NotImplementedError("MTP under context parallelism: the shift to x_{t+1} must cross the zigzag "
-                                      "chunks of the CP ranks, which is not implemented")
+        if mtp and mtp_input_ids is None and self.context_parallel is not None:
+            raise ValueError("MTP under context parallelism needs mtp_input_ids from the whole rows (mtp.mtp_rows): "
+                             "the next token of a zigzag chunk's last one lies in another chunk")
+        if mtp and labels is not None and mtp_labels is None:
+            raise ValueError("mtp=True with labels needs mtp_labels (mtp.mtp_rows)")
         # Integer positions only cross module boundaries: FSDP casts floating inputs of every block to
         # its param dtype, so RoPE angles are computed in fp32 inside each attention layer.
         if layout is not None:
@@ -235,14 +255,23 @@ class Qwen35MoeModel(nn.Module):
         h = self.norm(h)
         extra = {}
         if mtp:
-            mtp_hidden, mtp_counts, mtp_prob_sums = self.mtp(h, input_ids, self._embed, layout)
+            if mtp_input_ids is None:
+                mtp_input_ids = shifted_ids(input_ids, len(self.mtp.layers))
+            mtp_hidden, mtp_counts, mtp_prob_sums = self.mtp(h, mtp_input_ids, self._embed, layout)
             extra = dict(mtp_hidden=mtp_hidden, mtp_router_stats=RouterStats(
                 torch.stack(mtp_counts), torch.stack(mtp_prob_sums), num_tokens=batch * seq,
                 top_k=self.args.num_experts_per_tok))
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(h), router_stats=stats, **extra)
-        ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale)
-        return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum, **extra)
+        if not mtp:
+            ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale)
+            return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum)
+        # One call of the head for the main and the MTP losses (LMHead.forward's `more`)
+        scales = [None] * len(mtp_hidden) if mtp_ce_scales is None else list(mtp_ce_scales.unbind())
+        more = tuple((hk.flatten(0, 1), mtp_labels[..., k].flatten(), scales[k]) for k, hk in enumerate(mtp_hidden))
+        ce_sum, *mtp_sums = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale,
+                                         more=more)
+        return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum, mtp_ce_sum=sum(mtp_sums), **extra)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, S) ids -> (B, S, D) in the compute dtype."""

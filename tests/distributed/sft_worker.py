@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from models.qwen35_moe.init import canonical_name
 from tests.distributed.fsdp_step_worker import full
-from tests.distributed.trainer_runs import REPO, close_keeping_process_group, debug_trainer
+from tests.distributed.trainer_runs import REPO, close_keeping_process_group, debug_trainer, in_float64
 
 GLOBAL_BATCH = 4
 CHAT = os.path.join(REPO, "data", "debug_chat")
@@ -45,11 +45,7 @@ def unpacked_loss(model, rows: dict) -> tuple[float, int]:
 
 
 def step(folder: str, *overrides: str) -> None:
-    torch.set_default_dtype(torch.float64)  # layouts differ only in summation order: float64 keeps it near 1e-16
-    try:
-        _step(folder, overrides)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    in_float64(_step, folder, overrides)
 
 
 def _step(folder: str, overrides: tuple[str, ...]) -> None:

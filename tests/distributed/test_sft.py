@@ -3,10 +3,9 @@ float64, on one process, FSDP=2, CP=2 (targets split over the zigzag chunks) and
 conversation run alone (unpacked) with the cross entropy computed outside the model (tests/distributed/sft_worker.py)."""
 
 import pytest
-import torch
 
 from tests.distributed.launch import Run, register
-from tests.distributed.trainer_runs import assert_same_grads
+from tests.distributed.trainer_runs import assert_same_grads, saved_result
 
 STEP = "tests.distributed.sft_worker:step"
 SINGLE = register(Run("sft/single", 1, STEP))
@@ -18,12 +17,8 @@ LAYOUTS = {
 RUNS = {name: register(Run(f"sft/{name}", nproc, STEP, layout)) for name, (nproc, layout) in LAYOUTS.items()}
 
 
-def result(launches, run: Run) -> dict:
-    return torch.load(launches.folder_of(run) / "result.pt")
-
-
 def test_packed_loss_is_the_token_mean_over_the_targets_of_the_conversations_run_alone(launches):
-    ref = result(launches, SINGLE)
+    ref = saved_result(launches, SINGLE)
     unpacked_loss, unpacked_targets = ref["unpacked"]
     assert unpacked_targets == ref["targets"]  # every target of the packed rows, counted once
     # Only assistant tokens are targets: a fraction of the rows (the prompts and the padding are not).
@@ -37,7 +32,7 @@ def test_packed_loss_is_the_token_mean_over_the_targets_of_the_conversations_run
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_chat_step_matches_single_process(launches, name):
-    ref, got = result(launches, SINGLE), result(launches, RUNS[name])
+    ref, got = saved_result(launches, SINGLE), saved_result(launches, RUNS[name])
     assert got["targets"] == ref["targets"]
     assert got["validation"]["val_loss"] == pytest.approx(ref["validation"]["val_loss"], rel=1e-6)
     for key in ("loss", "aux_loss", "grad_norm"):

@@ -2,8 +2,10 @@
 64-token rows, outputs in the run's folder; closed without ending the process group the launch's next runs use."""
 
 import os
+from collections.abc import Callable
 from unittest import mock
 
+import torch
 import torch.distributed as dist
 
 from harness.config import load_config
@@ -36,3 +38,18 @@ def assert_same_grads(got: dict, ref: dict) -> None:
         # Measured at most 8.1e-13 (A_log of a GDN layer, in every layout); a wrong head, chunk or document
         # boundary gives O(1).
         assert rel < 1e-9, f"{key}: relative grad difference {rel:.2e}"
+
+
+def in_float64(step: Callable[[str, tuple[str, ...]], None], folder: str, overrides: tuple[str, ...]) -> None:
+    """step(folder, overrides) with float64 the default dtype: layouts then differ only in summation order, which
+    float64 keeps near 1e-16."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        step(folder, overrides)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def saved_result(launches, run) -> dict:
+    """The result.pt a worker's rank 0 saved in `run`'s folder."""
+    return torch.load(launches.folder_of(run) / "result.pt")

@@ -1,7 +1,6 @@
 """Model args, flavors and config.json conversion."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -58,9 +57,9 @@ def test_35b_flavor_is_the_official_config_and_has_its_exact_parameter_count():
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     official = Qwen35MoeArgs.from_hf_config(OFFICIAL_35B_A3B_TEXT_CONFIG)
-    # The flavor is the official config without its MTP layer (flavors.py: left out until it trains)
+    # The flavor is the official config, its MTP layer included
     assert official.mtp_num_hidden_layers == 1
-    assert get_flavor("35B-A3B") == dataclasses.replace(official, mtp_num_hidden_layers=0)
+    assert get_flavor("35B-A3B") == official
     moe = 256 * 2048 + 256 * 1024 * 2048 + 256 * 2048 * 512 + 3 * 2048 * 512 + 2048
     attention = 2048 * 8192 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 256
     gdn = 2048 * 8192 + 2048 * 4096 + 2 * 2048 * 32 + 8192 * 4 + 2 * 32 + 128 + 4096 * 2048
