@@ -72,6 +72,7 @@ class Model:
     # where it would trip and a numerical self-check of FLA's gradients on the run's head shapes passes
     # (else the run stops, naming the errors); "off" never bypasses (FLA's own error on such machines).
     fla_hopper_backward: Literal["auto", "off"] = "auto"
+    router_force_balance: bool = False  # benchmarks only: MoE routing forced round-robin, equal tokens per expert
 
 
 @dataclass

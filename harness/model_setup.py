@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
+from models.qwen35_moe.moe import force_balanced_routing
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
 from parallel.vocab_parallel import resolve_vocab_parallel
@@ -61,6 +62,11 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     elif train_mtp:
         logger.info("MTP layers (mtp_num_hidden_layers %d): trained, loss weight training.mtp_loss_coef %g (0 keeps "
                     "them frozen)", args.mtp_num_hidden_layers, cfg.training.mtp_loss_coef)
+    if cfg.model.router_force_balance:
+        layers = force_balanced_routing(model)
+        logger.warning("model.router_force_balance: benchmarks only. The %d MoE layers send token n of each layer's "
+                       "N local tokens to experts (n * k + j) mod E, not to the router's top-k: equal expert load, "
+                       "the routing is not learned and the balance loss stays at about top_k", layers)
     if device.type == "cuda":
         require_fla()
     if device.type == "cuda" and cfg.model.fla_hopper_backward == "auto":

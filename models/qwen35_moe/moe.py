@@ -35,13 +35,27 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, D) -> probs (N, E) fp32, top-k weights (N, k) fp32, top-k expert ids (N, k)."""
+    def forward(self, x: torch.Tensor, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> probs (N, E) fp32, top-k weights (N, k) fp32, top-k expert ids (N, k).
+
+        `balanced` (benchmarks only, `balanced_expert_ids`): the ids are a fixed round-robin instead of the top-k,
+        the weights the probabilities at those ids, renormalised as the top-k's are."""
         logits = F.linear(x, self.weight.to(x.dtype))
         probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # float64 stays
-        weights, ids = probs.topk(self.top_k, dim=-1)
+        if balanced:
+            ids = balanced_expert_ids(x.shape[0], self.top_k, probs.shape[-1], x.device)
+            weights = probs.gather(-1, ids)
+        else:
+            weights, ids = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, ids
+
+
+def balanced_expert_ids(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """(N, k) expert ids of perfectly balanced routing (Megatron's --moe-router-force-load-balancing): slot j of
+    token n goes to expert (n * k + j) mod E, so every expert gets N * k / E assignments when E divides N * k (and
+    a token's k ids differ when k <= E). Built on the device from the shapes alone: no host sync, static shapes."""
+    return (torch.arange(num_tokens * top_k, device=device) % num_experts).view(num_tokens, top_k)
 
 
 def _grouped_path(x: torch.Tensor) -> bool:
@@ -211,6 +225,16 @@ class SparseMoE(nn.Module):
         # How the routed tokens reach the experts (hooks.py): None, the local experts; under expert parallelism
         # `experts` holds this rank's share of them and the dispatch brings the other ranks' tokens to them.
         self.dispatch: ExpertDispatch | None = None
+        # Benchmarks only (force_balanced_routing): route by `balanced_expert_ids`, not the router's top-k. A plain
+        # attribute, neither a parameter nor a buffer: no checkpoint key, nothing in the HF config.
+        self.force_balance = False
+
+    def force_balanced_routing(self, enabled: bool = True) -> None:
+        """Balanced routing on or off for this layer: each of this call's N tokens (this rank's, flattened) is sent
+        to experts (n * k + j) mod E, j < k, weighted by the router's renormalised probabilities at those experts
+        (so the router still gets gradients); counts and probability sums come from those ids as usual. For
+        throughput at perfectly even expert load, beside the data-driven routing: the model does not learn to route."""
+        self.force_balance = bool(enabled)
 
     def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
         """This layer's extension points (hooks.py): its dispatch and its experts' sharding."""
@@ -221,7 +245,7 @@ class SparseMoE(nn.Module):
         """x (B, S, D) -> output (B, S, D), expert counts (E,) and router probability sums (E,), both fp32."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
-        probs, weights, ids = self.gate(x)
+        probs, weights, ids = self.gate(x, balanced=self.force_balance)
         counts = expert_counts(ids, self.num_experts)
         if self.dispatch is None:
             out = combine_expert_outputs(x, weights, ids, counts, self.experts)
@@ -229,3 +253,12 @@ class SparseMoE(nn.Module):
             out = self.dispatch.routed(x, weights, ids, counts, self.experts)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (out + shared).reshape(shape), counts.detach().float(), probs.sum(dim=0)
+
+
+def force_balanced_routing(model: nn.Module, enabled: bool = True) -> int:
+    """`SparseMoE.force_balanced_routing(enabled)` on every MoE layer of `model` (the MTP's too); returns how many.
+    A runtime switch (config `model.router_force_balance`): checkpoint keys and the HF export do not change."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for moe in layers:
+        moe.force_balanced_routing(enabled)
+    return len(layers)
