@@ -32,7 +32,14 @@ _PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800"
 
 
 def active_matmul_params(args: Qwen35MoeArgs) -> int:
-    """Matmul parameters one token touches (routed experts: top-k of them)."""
+    """Matmul parameters one token touches (routed experts: top-k of them), in the main model."""
+    attn, gdn, moe = _block_matmul_params(args)
+    total = args.num_layers_of(FULL_ATTENTION) * attn + args.num_layers_of(LINEAR_ATTENTION) * gdn
+    return total + args.num_hidden_layers * moe + args.hidden_size * args.vocab_size
+
+
+def _block_matmul_params(args: Qwen35MoeArgs) -> tuple[int, int, int]:
+    """Per token: the matmul parameters of a gated attention, a Gated DeltaNet and a MoE block (top-k experts)."""
     h = args.hidden_size
     attn = h * args.num_attention_heads * args.head_dim * 2 + 2 * h * args.num_key_value_heads * args.head_dim
     attn += args.num_attention_heads * args.head_dim * h
@@ -42,20 +49,25 @@ def active_matmul_params(args: Qwen35MoeArgs) -> int:
     gdn += (2 * key_dim + value_dim) * args.linear_conv_kernel_dim
     moe = h * args.num_experts + args.num_experts_per_tok * 3 * h * args.moe_intermediate_size
     moe += 3 * h * args.shared_expert_intermediate_size + h
-    total = args.num_layers_of(FULL_ATTENTION) * attn + args.num_layers_of(LINEAR_ATTENTION) * gdn
-    return total + args.num_hidden_layers * moe + h * args.vocab_size
+    return attn, gdn, moe
 
 
-def training_flops_per_token(args: Qwen35MoeArgs, attended: float) -> float:
+def training_flops_per_token(args: Qwen35MoeArgs, attended: float, mtp: bool = False) -> float:
     """Training FLOPs (forward + backward) per token. `attended`: the mean number of keys a query attends to,
     causal and within its document (`mean_attended_keys`): attention is counted by the rows' real documents,
-    not as if every query saw the whole row."""
+    not as if every query saw the whole row. `mtp`: the MTP layers are trained too (each: its fc, a full-attention
+    MoE block and the shared lm_head once more)."""
     attention = 12 * args.num_attention_heads * args.head_dim * attended
     dk, dv, c = args.linear_key_head_dim, args.linear_value_head_dim, GDN_CHUNK_SIZE
     # Chunked GDN forward per token and value head: 2 * (C * (3 Dk + 2 Dv) + 3 Dk Dv); x3 for training.
     gdn = 3 * 2 * args.linear_num_value_heads * (c * (3 * dk + 2 * dv) + 3 * dk * dv)
     mixers = args.num_layers_of(FULL_ATTENTION) * attention + args.num_layers_of(LINEAR_ATTENTION) * gdn
-    return 6 * active_matmul_params(args) + mixers
+    total = 6 * active_matmul_params(args) + mixers
+    if mtp:
+        h = args.hidden_size
+        attn, _, moe = _block_matmul_params(args)
+        total += args.mtp_num_hidden_layers * (6 * (2 * h * h + attn + moe + h * args.vocab_size) + attention)
+    return total
 
 
 def mean_attended_keys(position_ids: torch.Tensor) -> float:

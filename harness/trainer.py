@@ -301,7 +301,7 @@ class Trainer:
             seconds = sum(self.clock.seconds(began, ended) for *_, began, ended in done)
             tps = len(done) * tokens_per_step_local / seconds  # per device, as torchtitan reports it
             # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
-            flops = training_flops_per_token(self.model_args, sum(w[1] for w in done) / len(done))
+            flops = training_flops_per_token(self.model_args, sum(w[1] for w in done) / len(done), self.train_mtp)
             mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
             self.metrics.log(step, {**last, "lr": done[-1][2], "tokens_per_sec": tps, "mfu": mfu,
                                     "max_memory_gib": max_memory_gib(self.device)})

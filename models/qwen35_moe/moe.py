@@ -245,7 +245,7 @@ class SparseMoE(nn.Module):
         """x (B, S, D) -> output (B, S, D), expert counts (E,) and router probability sums (E,), both fp32."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, D)
-        probs, weights, ids = self.gate(x, balanced=self.force_balance)
+        probs, weights, ids = self.gate(x, balanced=True) if self.force_balance else self.gate(x)
         counts = expert_counts(ids, self.num_experts)
         if self.dispatch is None:
             out = combine_expert_outputs(x, weights, ids, counts, self.experts)

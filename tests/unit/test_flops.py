@@ -19,3 +19,18 @@ def test_attention_is_counted_per_query_by_its_own_documents_keys():
     assert training_flops_per_token(args, attended) - training_flops_per_token(args, 0) == pytest.approx(want)
     # A row of one document: causal, each query sees half the row on average, not all of it.
     assert mean_attended_keys(torch.arange(4096)[None]) == 4097 / 2
+
+
+def test_a_trained_mtp_layer_adds_its_fc_block_and_a_second_lm_head_pass():
+    """35B-A3B's MTP layer, counted by hand: fc 2 * 2048^2; gated attention q (with its gate) 2048 * 16 * 256 * 2,
+    k and v 2 * 2048 * 2 * 256, o 16 * 256 * 2048; MoE router 2048 * 256, 8 experts of 3 * 2048 * 512, the shared
+    expert 3 * 2048 * 512 and its gate 2048; the lm_head 2048 * 248,320: 573,048,832 matmul parameters a token
+    touches, x6 for training, plus its attention over the keys each query attends to."""
+    args = get_flavor("35B-A3B")
+    assert args.mtp_num_hidden_layers == 1
+    matmul = 2 * 2048**2 + 2048 * 16 * 256 * 2 + 2 * 2048 * 2 * 256 + 16 * 256 * 2048
+    matmul += 2048 * 256 + 8 * 3 * 2048 * 512 + 3 * 2048 * 512 + 2048 + 2048 * 248_320
+    assert matmul == 573_048_832
+    attended = 1000.5
+    extra = training_flops_per_token(args, attended, mtp=True) - training_flops_per_token(args, attended)
+    assert extra == pytest.approx(6 * matmul + 12 * 16 * 256 * attended)
