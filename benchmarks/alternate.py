@@ -128,7 +128,8 @@ def main() -> int:
         if figures is None:
             print(f"  failed (exit {done.returncode}); its output ended:\n{done.stdout[-2000:]}", flush=True)
         else:
-            print(f"  {figures['tokens_per_sec']:,.0f} tokens/s per device, {figures['max_memory_gib']:.1f} GiB",
+            mfu = "" if figures["mfu"] is None else f", MFU {figures['mfu']:.1%}"
+            print(f"  {figures['tokens_per_sec']:,.0f} tokens/s per device{mfu}, {figures['max_memory_gib']:.1f} GiB",
                   flush=True)
         return figures
 

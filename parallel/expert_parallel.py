@@ -4,8 +4,8 @@
 this rank's assignments per global expert, which the all-to-all sends by; the all-gather counts the gathered ones):
 
 `AllGatherExpertParallel` (`expert_parallel_dispatch = "all_gather"`): every rank gathers the whole EP group's
-tokens and routing, runs its own experts on the assignments that chose them, and each token's partial outputs go
-back to the token's rank in the compute dtype, summed there in fp32 (`sum_partials_to_owners`). No host sync and no data-dependent shape (compile traces the whole layer),
+tokens and routing, runs its own experts on the assignments that chose them, and a reduce-scatter sums each token's
+partial outputs on the token's rank. No host sync and no data-dependent shape (compile traces the whole layer),
 but it moves (ep - 1) * N * D rows each way where the all-to-all moves about N * k * D * (ep - 1) / ep: the
 smaller of the two while ep < k, and its buffers hold ep * N * k rows (the worst case of every assignment of the
 group choosing this rank), so it suits small EP groups.
@@ -38,7 +38,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from models.qwen35_moe.moe import RoutedExperts, combine_expert_outputs, expert_counts, gather_rows, inverse_permutation
 
-from .collectives import all_gather, all_to_all
+from .collectives import all_gather, all_to_all, reduce_scatter_sum
 
 
 def local_expert_order(received_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -152,19 +152,8 @@ class AllGatherExpertParallel:
         local = _num_experts(local_experts) // self.size
         partial = local_partial_outputs(tokens, routing[:, :top_k], routing[:, top_k:].detach().long(),
                                         local_experts, self.rank * local, local)
-        return sum_partials_to_owners(partial, x.dtype, self.size, self.group)
-
-
-def sum_partials_to_owners(partial: torch.Tensor, dtype: torch.dtype, ranks: int,
-                           group: dist.ProcessGroup) -> torch.Tensor:
-    """(ranks * n, D) this rank's fp32 partial outputs for every rank's tokens -> (n, D) in `dtype`: this rank's
-    tokens' sums over the ranks. The parts travel rounded to `dtype` (an all-to-all) and are summed in fp32 on
-    arrival: in bf16 half the bytes of an fp32 reduce-scatter, and of the fp32 all-gather of its backward, which on
-    a slow link is most of the layer's time (docs/performance.md, "256 experts over 4 GPUs"). Each part is rounded
-    once more than a sum of fp32 parts would be; the all-to-all dispatch rounds each expert's output the same way."""
-    n = partial.shape[0] // ranks
-    parts = all_to_all(partial.to(dtype), [n] * ranks, [n] * ranks, group)
-    return parts.view(ranks, n, -1).sum(0, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+        # The ranks' fp32 parts are summed before the one rounding to x's dtype.
+        return reduce_scatter_sum(partial, self.group).to(x.dtype)
 
 
 def resolve_dispatch(dispatch: str, ep: int, top_k: int) -> str:
