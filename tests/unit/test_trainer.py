@@ -79,16 +79,17 @@ def test_deterministic_runs_repeat_exactly(tmp_path, restore_determinism):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
-def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-    """Two microbatches of 2 rows give the same gradients as one microbatch of 4: the loss is the token
-    mean over the global batch however it is split. (The MoE balance loss is off: it is computed per
-    microbatch, so it legitimately depends on the split.)"""
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_mtp"])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, flavor):
+    """Two microbatches of 2 rows give the same gradients as one microbatch of 4: the loss (and the MTP loss, each
+    depth's token mean over its own targets) is the token mean over the global batch however it is split. (The MoE
+    balance loss is off: it is computed per microbatch, so it legitimately depends on the split.)"""
     from harness.trainer import Trainer
 
     def trainer(local, global_):
         cfg = load_config(["--config", CONFIG, *FAST, "--job.dump_folder", str(tmp_path / f"t{local}"),
                            "--training.local_batch_size", str(local), "--training.global_batch_size", str(global_),
-                           "--training.aux_loss_coef", "0"])
+                           "--training.aux_loss_coef", "0", "--model.flavor", flavor])
         return Trainer(cfg)
 
     big, small = trainer(4, 4), trainer(2, 4)
@@ -98,6 +99,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
     out_big, out_small = big.train_step([batch]), small.train_step(halves)
     assert out_small["loss"] == pytest.approx(out_big["loss"], rel=1e-6)
+    if flavor == "debugmodel_mtp":
+        assert out_small["mtp_loss"] == pytest.approx(out_big["mtp_loss"], rel=1e-6)
     assert out_small["grad_norm"] == pytest.approx(out_big["grad_norm"], rel=1e-5)
     # Gradients (kept after the step), not updated weights: Adam's first update is ~lr * sign(grad),
     # which turns fp32 summation-order noise in near-zero gradients into lr-sized differences.
