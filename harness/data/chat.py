@@ -105,10 +105,16 @@ def chat_template_sources(tokenizer_path: str) -> dict[str, object]:
 
 
 def chat_identity(tokenizer_path: str, options: ChatOptions) -> dict:
-    """What a chat cache's key hashes beside the files and the tokenizer: the chat keys and the template text."""
+    """What a chat cache's key hashes beside the files and the tokenizer: the chat keys, the template text, and the
+    versions of what renders it (transformers' apply_chat_template on jinja2): an upgrade builds a new cache. Its
+    stream id comes from the tokens themselves, so a run resumes on the new cache where they are unchanged."""
+    import jinja2
+    import transformers
+
     templates = json.dumps(chat_template_sources(tokenizer_path), sort_keys=True)
     return {"format": "chat", "messages_field": options.messages_field, "chat_targets": options.targets,
-            "chat_template_sha256": hashlib.sha256(templates.encode()).hexdigest()}
+            "chat_template_sha256": hashlib.sha256(templates.encode()).hexdigest(),
+            "renderer": {"transformers": transformers.__version__, "jinja2": jinja2.__version__}}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -336,6 +336,17 @@ def test_the_cache_key_holds_the_template_and_the_chat_keys(chat_cache, tmp_path
     assert len(folders) == 3 and all(f.parent == tmp_path / "cache" for f in folders)
 
 
+def test_a_new_transformers_version_builds_a_new_chat_cache_of_the_same_stream(chat_cache, tmp_path, monkeypatch):
+    """The template is rendered by transformers' apply_chat_template: another version may render it otherwise, so it
+    keys a cache of its own; the tokens being the same, so is the stream id a saved data position names."""
+    import transformers
+
+    tok, source, cache = chat_cache
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post1")
+    upgraded = chat_loader(source, tok, tmp_path / "cache").cache
+    assert upgraded.folder != cache.folder and upgraded.stream_id == cache.stream_id
+
+
 def test_a_flag_flipped_outside_the_sample_is_caught_by_the_full_check(tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "SAMPLE_BLOCKS", 2)
     monkeypatch.setattr(token_cache, "SAMPLE_BLOCK_TOKENS", 16)  # a sample of 32 tokens: the middle is outside
