@@ -73,6 +73,9 @@ class Model:
     # (else the run stops, naming the errors); "off" never bypasses (FLA's own error on such machines).
     fla_hopper_backward: Literal["auto", "off"] = "auto"
     router_force_balance: bool = False  # benchmarks only: MoE routing forced round-robin, equal tokens per expert
+    # Multi-token-prediction layers: -1 = as the flavor or config.json has them (the releases: 1); 0 = none, e.g. to
+    # resume a checkpoint saved without them or to leave the release's out of the run and its export.
+    mtp_num_hidden_layers: int = -1
 
 
 @dataclass
@@ -444,6 +447,9 @@ def _value_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> l
     if (cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot) and cfg.profiling.profile_freq < 2:
         bad(f"profiling.profile_freq must be >= 2 (a warm-up step, then the traced one), got "
             f"{cfg.profiling.profile_freq}", "profiling.profile_freq")
+    if cfg.model.mtp_num_hidden_layers < -1:
+        bad(f"model.mtp_num_hidden_layers must be -1 (the model's own) or >= 0, got {cfg.model.mtp_num_hidden_layers}",
+            "model.mtp_num_hidden_layers")
     if cfg.training.mtp_loss_coef < 0 or not math.isfinite(cfg.training.mtp_loss_coef):
         bad(f"training.mtp_loss_coef must be >= 0 (0: MTP layers frozen), got {cfg.training.mtp_loss_coef}",
             "training.mtp_loss_coef")

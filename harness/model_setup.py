@@ -6,6 +6,7 @@ the device -> initial weights from the seed (the same at any world size) or from
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -28,6 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_model_args(cfg: JobConfig, vocab_size: int) -> Qwen35MoeArgs:
     args = Qwen35MoeArgs.from_hf_config(cfg.model.hf_config) if cfg.model.hf_config else get_flavor(cfg.model.flavor)
+    if cfg.model.mtp_num_hidden_layers >= 0:
+        args = dataclasses.replace(args, mtp_num_hidden_layers=cfg.model.mtp_num_hidden_layers)
     if vocab_size > args.vocab_size:
         raise ValueError(
             f"tokenizer has {vocab_size} tokens but model flavor {cfg.model.flavor!r} has vocab_size "

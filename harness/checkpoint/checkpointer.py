@@ -459,8 +459,12 @@ class Checkpointer:
                     for name, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shapes", misshaped))
                     if keys]
         if problems:
+            mtp_only = all(k.startswith("mtp.") for k in missing + unexpected) and not misshaped
+            saved_depth = len({k.split(".")[2] for k in saved if k.startswith("mtp.layers.")})
+            hint = (f" The difference is the MTP layers: resume with model.mtp_num_hidden_layers {saved_depth}."
+                    if mtp_only else "")
             raise CheckpointError(f"checkpoint {path} was saved for another model - " + "; ".join(problems)
-                                  + ". Resume with the model.flavor / model.hf_config it was saved with, or "
+                                  + f".{hint} Resume with the model.flavor / model.hf_config it was saved with, or "
                                   "start in another job.dump_folder")
 
     def _restore_data_position(self, train: dict, rank_state: dict | None, path: Path) -> None:

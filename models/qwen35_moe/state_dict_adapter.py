@@ -178,7 +178,8 @@ class Qwen35MoeStateDictAdapter:
         missing, unexpected = expected.keys() - set(keys), set(keys) - expected.keys()
         problems = [f"missing keys: {_short(missing)}"] if missing else []
         if missing and all(k.startswith(_MTP) for k in missing):
-            problems.append("the checkpoint has no multi-token-prediction layer: load it with mtp_num_hidden_layers 0")
+            problems.append("the checkpoint has no multi-token-prediction layer: load it with mtp_num_hidden_layers 0 "
+                            "(the trainer's model.mtp_num_hidden_layers)")
         problems += [f"unexpected keys: {_short(unexpected)}"] if unexpected else []
         self._raise(problems)
 

@@ -101,6 +101,20 @@ def test_a_checkpoint_of_another_model_is_named_as_such(tmp_path, capsys):
     assert "step-1 was saved for another model" in err and "wrong shapes" in err and "mlp.gate.weight" in err
 
 
+@pytest.mark.parametrize("saved, resumed, told", [("debugmodel", "debugmodel_mtp", 0), ("debugmodel_mtp", "debugmodel", 1)])
+def test_a_checkpoint_that_differs_in_its_mtp_layers_only_says_which_setting_resumes_it(tmp_path, capsys, saved,
+                                                                                        resumed, told):
+    """A checkpoint saved before the flavors had their MTP layer (or with one the relaunch lacks): the error names
+    model.mtp_num_hidden_layers, and the relaunch with it resumes."""
+    assert run(tmp_path, "--training.steps", "1", "--model.flavor", saved) == 0
+    capsys.readouterr()
+    assert run(tmp_path, "--training.steps", "2", "--model.flavor", resumed) == 2
+    err = capsys.readouterr().err
+    assert f"The difference is the MTP layers: resume with model.mtp_num_hidden_layers {told}." in err
+    assert run(tmp_path, "--training.steps", "2", "--model.flavor", resumed,
+               "--model.mtp_num_hidden_layers", str(told)) == 0
+
+
 def test_a_missing_load_step_lists_the_complete_ones(tmp_path, capsys):
     assert run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0") == 0
     capsys.readouterr()

@@ -183,6 +183,7 @@ def test_non_positive_sizes_are_rejected(flag):
     (["--training.loss_chunk_tokens=-1"], "training.loss_chunk_tokens must be >= 0"),
     (["--training.mtp_loss_coef=-0.1"], "training.mtp_loss_coef must be >= 0"),
     (["--training.mtp_loss_coef=nan"], "training.mtp_loss_coef must be >= 0"),
+    (["--model.mtp_num_hidden_layers=-2"], "model.mtp_num_hidden_layers must be -1"),
     (["--profiling.enable_profiling=true", "--profiling.profile_freq=1"], "profiling.profile_freq must be >= 2"),
 ])
 def test_impossible_loss_chunk_and_profile_freq_are_rejected(argv, message):
