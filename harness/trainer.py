@@ -116,7 +116,8 @@ class Trainer:
             dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir, cache_verify=t.dataset_cache_verify,
             data_format=t.data_format, chat=chat_options(cfg))
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
-                                    self.model_inputs) if cfg.validation.enable else None)
+                                    self.model_inputs, mtp=self.model.mtp is not None)
+                          if cfg.validation.enable else None)
         self.step, tb_run = 0, None
         self.checkpointer = None
         if ckpt.enable:

@@ -3,7 +3,9 @@
 Every validation reads the same rows (a fresh loader from row 0 of the set's token cache), `validation.steps`
 micro-batches of training's local_batch_size x seq_len per data-parallel rank (-1: the whole set), and reduces
 the summed loss and label-token count over all ranks. The MoE balance loss is a training regulariser and is
-not part of it.
+not part of it. A model with MTP layers also gets `val_mtp_loss`, the token mean of their cross entropy over their
+targets (pooled over the depths; the releases have one), trained or frozen: a frozen MTP layer drifts as the model
+it drafts for is fine-tuned, and this shows by how much.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from .data.loader import IGNORE_INDEX, build_dataloader
 
 class Validator:
     def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_world_size: int, cache_dir: str,
-                 device: torch.device, model_inputs):
+                 device: torch.device, model_inputs, mtp: bool = False):
         """`model_inputs`: the model's keyword arguments (input_ids, labels, layout, ...) for a batch of host rows,
-        this rank's share of them (its zigzag chunks under context parallelism); `Trainer.model_inputs`."""
+        this rank's share of them (its zigzag chunks under context parallelism); `Trainer.model_inputs`. `mtp`: the
+        model has MTP layers (`val_mtp_loss`)."""
         v, t = cfg.validation, cfg.training
         self.steps = None if v.steps == -1 else v.steps
-        self.device, self.model_inputs = device, model_inputs
+        self.device, self.model_inputs, self.mtp = device, model_inputs, mtp
         self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
                                        t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                        cache_dir=cache_dir, infinite=False, cache_verify=t.dataset_cache_verify,
@@ -37,19 +40,24 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, model: nn.Module) -> dict[str, float]:
-        """{"val_loss", "val_tokens"} over the validation rows of all ranks."""
+        """{"val_loss", "val_tokens"} (and "val_mtp_loss") over the validation rows of all ranks."""
         was_training = model.training
         model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
+        totals = torch.zeros(4, device=self.device)  # loss sum, label tokens, MTP loss sum, MTP targets
         self.loader.load_state_dict(self.start)
         for batch in itertools.islice(self.loader, self.steps):
-            inputs = self.model_inputs(batch)
-            loss_sum += model(**inputs).ce_sum
-            tokens += (inputs["labels"] != IGNORE_INDEX).sum()
-        totals = torch.stack((loss_sum, tokens))
+            inputs = self.model_inputs(batch, mtp=self.mtp)
+            out = model(**inputs)
+            totals[0] += out.ce_sum
+            totals[1] += (inputs["labels"] != IGNORE_INDEX).sum()
+            if self.mtp:
+                totals[2] += out.mtp_ce_sum
+                totals[3] += (inputs["mtp_labels"] != IGNORE_INDEX).sum()
         if dist.is_initialized():
             dist.all_reduce(totals)
         reshard_fsdp(model)  # a forward without backward leaves reshard_after_forward=False units gathered
         model.train(was_training)
-        return {"val_loss": (totals[0] / totals[1].clamp_min(1)).item(), "val_tokens": int(totals[1].item())}
+        result = {"val_loss": (totals[0] / totals[1].clamp_min(1)).item(), "val_tokens": int(totals[1].item())}
+        if self.mtp:
+            result["val_mtp_loss"] = (totals[2] / totals[3].clamp_min(1)).item()
+        return result

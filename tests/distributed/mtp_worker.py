@@ -1,8 +1,8 @@
 """Worker for test_mtp_train (a run of the shared launches, tests/distributed/launch.py): the trainer's first optimizer
 step of the debug model with one MTP layer (flavor debugmodel_mtp, training.mtp_loss_coef 0.1), in float64, on
 four 64-token rows of the debug corpus with documents starting inside and across the 16-token chunks of CP=2, and a
-target mask over a third of the labels (as chat rows have). Rank 0 saves to <folder>/result.pt the step's losses,
-grad norm and full gradients. The one-process run also saves the reference MTP loss: each document of each row
+target mask over a third of the labels (as chat rows have). Rank 0 saves to <folder>/result.pt the held-out
+losses (validation, MTP's included) before the step, the step's losses, grad norm and full gradients. The one-process run also saves the reference MTP loss: each document of each row
 run alone, its targets x_{t+2} listed by a loop over its positions, the cross entropy of the lm_head's float64
 logits of the MTP output summed outside the model's loss and divided by their count."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from models.qwen35_moe.init import canonical_name
 from tests.distributed.fsdp_step_worker import documents_across_chunk_edges, full
-from tests.distributed.trainer_runs import close_keeping_process_group, debug_trainer, in_float64
+from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, debug_trainer, in_float64
 
 GLOBAL_BATCH = 4
 
@@ -54,11 +54,15 @@ def _step(folder: str, overrides: tuple[str, ...]) -> None:
     settings = dict(zip(overrides[::2], overrides[1::2]))
     cp = int(settings.get("--parallelism.context_parallel_degree", 1))
     trainer = debug_trainer(folder, "--model.flavor", "debugmodel_mtp", "--training.mtp_loss_coef", "0.1",
-                            "--training.local_batch_size", str(GLOBAL_BATCH * cp // world), *overrides)
+                            "--training.local_batch_size", str(GLOBAL_BATCH * cp // world),
+                            "--validation.enable", "true", "--validation.steps", "2",
+                            "--validation.dataset_path", CORPUS, *overrides)
+    validation = trainer.validator.validate(trainer.model)
     batch = with_target_mask(documents_across_chunk_edges(next(iter(trainer.dataloader))))
     reference = reference_mtp_loss(trainer.model, batch) if world == 1 else None
     out = trainer.train_step([batch])
     grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
     if trainer.rank == 0:
-        torch.save({"out": out, "grads": grads, "reference": reference}, os.path.join(folder, "result.pt"))
+        torch.save({"out": out, "grads": grads, "reference": reference, "validation": validation},
+                   os.path.join(folder, "result.pt"))
     close_keeping_process_group(trainer)

@@ -292,7 +292,9 @@ def test_a_run_resumes_and_exports_the_mtp_layer_frozen_or_trained(tmp_path, coe
                 "true", "--checkpoint.interval", "2", "--checkpoint.export_hf_at_end", "true",
                 "--checkpoint.export_dtype", "float32", "--training.mtp_loss_coef", coef, "--job.dump_folder", str(out),
                 # a constant lr: the same schedule for 2 steps then 4 as for 4 at once
-                "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0"]
+                "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0",
+                "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1",
+                "--validation.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl")]
 
     assert main([*flags(tmp_path / "out"), "--training.steps", "2"]) == 0
     assert main([*flags(tmp_path / "out"), "--training.steps", "4"]) == 0  # resumes
@@ -303,6 +305,10 @@ def test_a_run_resumes_and_exports_the_mtp_layer_frozen_or_trained(tmp_path, coe
     initial = load_file(tmp_path / "fresh" / "model.safetensors")
     mtp_keys = [k for k in initial if k.startswith("mtp.")]
     assert mtp_keys
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    # held out, trained or frozen: the MTP layer's loss beside the model's
+    assert [r["step"] for r in records if "val_mtp_loss" in r] == [2, 4]
+    assert all(("mtp_loss" in r) == (coef != "0") for r in records if "loss" in r)
     assert not torch.equal(trained["model.layers.0.mlp.gate.weight"], initial["model.layers.0.mlp.gate.weight"])
     if coef == "0":
         assert all(torch.equal(trained[k], initial[k]) for k in mtp_keys)
