@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .atomic_file import write_whole
 from .config import ConfigError, with_default_config
 from .preflight import check_launch
 from .train import BAD_INPUT, INTERRUPTED, PID_FILE, STARTING, STOP_FILE
@@ -166,13 +167,6 @@ class SignalForwarder:
 def worker_pids(exit_dir: Path) -> list[int]:
     """The pids this node's workers have recorded (each file written whole: `write_whole`)."""
     return [int(p.read_text()) for p in exit_dir.glob(f"{PID_FILE}*")]
-
-
-def write_whole(path: Path, text: str) -> None:
-    """`text` into `path` by a rename, so that no reader sees part of it."""
-    tmp = path.with_name(f"tmp.{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

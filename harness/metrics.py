@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 import torch
 
 from models.qwen35_moe.args import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35MoeArgs
+
+from .atomic_file import write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +142,7 @@ def _keep_records_up_to(path: Path, step: int) -> None:
     kept = "".join(_records_up_to(text, step))
     if kept == text:
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_whole(path, kept, durable=True)
 
 
 def _duration(seconds: float) -> str:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from .atomic_file import write_whole
 from .config import ConfigError, with_default_config
 from .preflight import check_launch
 
@@ -167,10 +168,7 @@ def _record_pid() -> None:
     exit_dir = os.environ.get("QWEN35_EXIT_DIR")
     if not exit_dir:
         return
-    name = f"{PID_FILE}{os.environ.get('RANK', '0')}"
-    with open(os.path.join(exit_dir, f"tmp.{name}"), "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(os.path.join(exit_dir, f"tmp.{name}"), os.path.join(exit_dir, name))
+    write_whole(os.path.join(exit_dir, f"{PID_FILE}{os.environ.get('RANK', '0')}"), str(os.getpid()))
     try:  # the launcher writes `stop` before it reads the pids: it has signalled this rank, or this rank sees it
         with open(os.path.join(exit_dir, STOP_FILE)) as f:
             os.kill(os.getpid(), int(f.read()))

@@ -23,6 +23,7 @@ from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
+from .atomic_file import write_whole
 from .checkpoint.checkpointer import Checkpointer, verified_resume_step
 from .checkpoint.hf_weights import export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
@@ -160,9 +161,7 @@ class Trainer:
         ckpt = dataclasses.replace(self.cfg.checkpoint, load_step=-1, restart_data=False)
         text = to_toml(dataclasses.replace(self.cfg, checkpoint=ckpt))
         path = os.path.join(self.cfg.job.dump_folder, "config.toml")
-        with open(path + ".tmp", "w") as f:  # a kill mid-write leaves the previous file whole
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        write_whole(path, text)  # a kill mid-write leaves the previous file whole
         logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
     def model_inputs(self, batch: dict[str, torch.Tensor], mtp: bool = False) -> dict:

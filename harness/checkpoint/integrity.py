@@ -22,6 +22,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..atomic_file import write_whole
+
 ALGORITHM = "sha256 of 64 MiB chunks' sha256"  # recorded in COMPLETE beside the digests
 CHUNK_BYTES = 64 * 2**20
 COMPLETE = "COMPLETE"
@@ -80,13 +82,8 @@ def rank_0_files(folder: Path) -> list[str]:
 
 
 def write_complete(folder: Path, record: dict) -> None:
-    """COMPLETE, atomically: a save killed while writing it leaves COMPLETE.tmp, never a truncated COMPLETE."""
-    tmp = folder / (COMPLETE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(folder / COMPLETE)
+    """COMPLETE, atomically: a save killed while writing it leaves tmp.COMPLETE, never a truncated COMPLETE."""
+    write_whole(folder / COMPLETE, json.dumps(record, indent=1, sort_keys=True) + "\n", durable=True)
 
 
 def read_complete(folder: Path) -> dict:
