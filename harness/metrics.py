@@ -221,10 +221,11 @@ class MetricsLogger:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
-            for key in ("val_loss", "val_mtp_loss"):
+            for key in ("val_loss", "val_mtp_loss", "val_mtp_accept"):
                 if key in metrics:
                     self.writer.add_scalar(key, metrics[key], step)
-        mtp = f", MTP loss {metrics['val_mtp_loss']:.4f}" if "val_mtp_loss" in metrics else ""
+        mtp = (f", MTP loss {metrics['val_mtp_loss']:.4f}, first draft accepted {metrics['val_mtp_accept']:.1%}"
+               if "val_mtp_loss" in metrics else "")
         print(f"{self.prefix}validation at step {step}: loss {metrics['val_loss']:.4f}{mtp} over "
               f"{metrics['val_tokens']:,} tokens", file=sys.stdout, flush=True)
 

@@ -3,9 +3,13 @@
 Every validation reads the same rows (a fresh loader from row 0 of the set's token cache), `validation.steps`
 micro-batches of training's local_batch_size x seq_len per data-parallel rank (-1: the whole set), and reduces
 the summed loss and label-token count over all ranks. The MoE balance loss is a training regulariser and is
-not part of it. A model with MTP layers also gets `val_mtp_loss`, the token mean of their cross entropy over their
-targets (pooled over the depths; the releases have one), trained or frozen: a frozen MTP layer drifts as the model
-it drafts for is fine-tuned, and this shows by how much.
+not part of it. A model with MTP layers also gets, trained or frozen (a frozen MTP layer drifts as the model it
+drafts for is fine-tuned):
+- `val_mtp_loss`: the token mean of their cross entropy over their targets (pooled over the depths; the releases
+  have one);
+- `val_mtp_accept`: how often greedy speculative decoding would accept the first drafted token, teacher-forced: at
+  each position t with a valid x_{t+2} target, whether the MTP's argmax for x_{t+2} is the main model's argmax at
+  t+1, the token it would emit itself there (`draft_matches`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.context_parallel import shard_zigzag
 from parallel.parallelize import reshard_fsdp
 
 from .config import JobConfig
@@ -43,16 +48,18 @@ class Validator:
         """{"val_loss", "val_tokens"} (and "val_mtp_loss") over the validation rows of all ranks."""
         was_training = model.training
         model.eval()
-        totals = torch.zeros(4, device=self.device)  # loss sum, label tokens, MTP loss sum, MTP targets
+        # loss sum, label tokens; MTP loss sum, MTP targets, accepted first drafts, first drafts
+        totals = torch.zeros(6, device=self.device)
         self.loader.load_state_dict(self.start)
         for batch in itertools.islice(self.loader, self.steps):
             inputs = self.model_inputs(batch, mtp=self.mtp)
-            out = model(**inputs)
+            out = model(**inputs, return_hidden=self.mtp)
             totals[0] += out.ce_sum
             totals[1] += (inputs["labels"] != IGNORE_INDEX).sum()
             if self.mtp:
                 totals[2] += out.mtp_ce_sum
                 totals[3] += (inputs["mtp_labels"] != IGNORE_INDEX).sum()
+                totals[4:] += torch.stack(draft_matches(model, inputs, out))
         if dist.is_initialized():
             dist.all_reduce(totals)
         reshard_fsdp(model)  # a forward without backward leaves reshard_after_forward=False units gathered
@@ -60,4 +67,30 @@ class Validator:
         result = {"val_loss": (totals[0] / totals[1].clamp_min(1)).item(), "val_tokens": int(totals[1].item())}
         if self.mtp:
             result["val_mtp_loss"] = (totals[2] / totals[3].clamp_min(1)).item()
+            result["val_mtp_accept"] = (totals[4] / totals[5].clamp_min(1)).item()
         return result
+
+
+def draft_matches(model: nn.Module, inputs: dict, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted, drafted) first draft tokens of a forward with `mtp=True, return_hidden=True` on `inputs` (the
+    model's keyword arguments, with `mtp_labels`): at each position t whose x_{t+2} target is valid, the MTP's argmax
+    for x_{t+2} against the main model's argmax at t+1. Under context parallelism the main model's picks are
+    gathered into whole rows for the shift to t+1, then this rank's chunks taken again."""
+    chunk = inputs.get("loss_chunk_tokens", 1024)
+    main = _greedy(model.lm_head, out.hidden, chunk)
+    draft = _greedy(model.lm_head, out.mtp_hidden[0], chunk)
+    cp = model.context_parallel
+    whole = main if cp is None else cp.gather_sequence(main)
+    following = torch.cat((whole[:, 1:], whole[:, -1:]), dim=1)  # at t: the main model's pick at t+1
+    if cp is not None:
+        following = shard_zigzag(following, cp.size, cp.rank)
+    drafted = inputs["mtp_labels"][..., 0] != IGNORE_INDEX
+    return ((draft == following) & drafted).sum(), drafted.sum()
+
+
+def _greedy(head: nn.Module, h: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, S, D) hidden states -> (B, S) argmax of the head's logits, `chunk` tokens of logits at a time."""
+    flat = h.flatten(0, 1)
+    step = chunk if chunk > 0 else max(flat.shape[0], 1)
+    picks = [head(flat[start:start + step]).argmax(-1) for start in range(0, flat.shape[0], step)]
+    return torch.cat(picks).view(h.shape[:2])

@@ -49,6 +49,8 @@ class CausalLMOutput:
     # With `mtp=True` and MTP labels: the MTP depths' cross entropies, each summed over its label tokens and times
     # that depth's `mtp_ce_scales` entry, summed over the depths.
     mtp_ce_sum: torch.Tensor | None = None
+    # With `return_hidden=True`: the final-normed hidden states (B, S, D) the lm_head reads.
+    hidden: torch.Tensor | None = None
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -206,7 +208,7 @@ class Qwen35MoeModel(nn.Module):
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
                 layout: DocumentLayout | None = None, ce_scale: torch.Tensor | None = None,
                 mtp: bool = False, mtp_input_ids: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
-                mtp_ce_scales: torch.Tensor | None = None) -> CausalLMOutput:
+                mtp_ce_scales: torch.Tensor | None = None, return_hidden: bool = False) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
         document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
         -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time, times
@@ -219,7 +221,7 @@ class Qwen35MoeModel(nn.Module):
         `mtp_input_ids` (B, S, depth), the tokens x_{t+k+1} of mtp.mtp_rows (derived from input_ids if None; required
         under context parallelism, where they must come from the whole rows). With labels, `mtp_labels` (B, S,
         depth; mtp.mtp_rows) gives the MTP cross entropy too, depth k's sum times `mtp_ce_scales[k]` (fp32, as
-        `ce_scale`; None: unscaled)."""
+        `ce_scale`; None: unscaled). `return_hidden`: the output also holds the final-normed hidden states."""
         batch, seq = input_ids.shape
         if mtp and self.mtp is None:
             raise ValueError("mtp=True, but the model has no MTP layer (args.mtp_num_hidden_layers is 0)")
@@ -253,19 +255,19 @@ class Qwen35MoeModel(nn.Module):
         stats = RouterStats(torch.stack(counts), torch.stack(prob_sums), num_tokens=batch * seq,
                             top_k=self.args.num_experts_per_tok)
         h = self.norm(h)
-        extra = {}
+        extra = {"hidden": h} if return_hidden else {}
         if mtp:
             if mtp_input_ids is None:
                 mtp_input_ids = shifted_ids(input_ids, len(self.mtp.layers))
             mtp_hidden, mtp_counts, mtp_prob_sums = self.mtp(h, mtp_input_ids, self._embed, layout)
-            extra = dict(mtp_hidden=mtp_hidden, mtp_router_stats=RouterStats(
+            extra.update(mtp_hidden=mtp_hidden, mtp_router_stats=RouterStats(
                 torch.stack(mtp_counts), torch.stack(mtp_prob_sums), num_tokens=batch * seq,
                 top_k=self.args.num_experts_per_tok))
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(h), router_stats=stats, **extra)
         if not mtp:
             ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale)
-            return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum)
+            return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum, **extra)
         # One call of the head for the main and the MTP losses (LMHead.forward's `more`)
         scales = [None] * len(mtp_hidden) if mtp_ce_scales is None else list(mtp_ce_scales.unbind())
         more = tuple((hk.flatten(0, 1), mtp_labels[..., k].flatten(), scales[k]) for k, hk in enumerate(mtp_hidden))

@@ -36,6 +36,7 @@ def test_mtp_step_matches_single_process(launches, name):
     ref, got = saved_result(launches, SINGLE), saved_result(launches, RUNS[name])
     for key in ("loss", "mtp_loss", "aux_loss", "grad_norm"):
         assert got["out"][key] == pytest.approx(ref["out"][key], rel=1e-9), key
+    assert got["validation"]["val_mtp_accept"] == ref["validation"]["val_mtp_accept"]  # a ratio of counts
     for key in ("val_loss", "val_mtp_loss"):
         assert got["validation"][key] == pytest.approx(ref["validation"][key], rel=1e-9), key
     assert_same_grads(got, ref)

@@ -358,6 +358,23 @@ def test_a_trained_mtp_layer_predicts_the_token_after_next_and_transformers_load
     assert mtp_ce / targets < unigram_ce / targets - 0.4
     assert correct / targets > frequent / targets + 0.08
 
+    # The validator's greedy acceptance of the first draft against the full logits, by hand: at t, the MTP's argmax
+    # for x_{t+2} against the main model's argmax at t + 1
+    from harness.validation import draft_matches
+    from models.qwen35_moe.mtp import mtp_rows
+
+    window = torch.tensor(list(json.loads(lines[-1])["text"].encode()[:301]))[None]
+    ids, labels, positions = window[:, :-1], window[:, 1:], torch.arange(300)[None]
+    rows = mtp_rows(ids, labels, positions, 1)
+    with torch.no_grad():
+        forward = model(ids, positions, labels=labels, mtp=True, return_hidden=True, loss_chunk_tokens=64, **rows)
+        accepted, drafted = draft_matches(model, {**rows, "loss_chunk_tokens": 64}, forward)
+        main = model(ids, positions).logits[0].argmax(-1)
+        draft = model.lm_head(model(ids, positions, mtp=True).mtp_hidden[0][0]).argmax(-1)
+    by_hand = sum(int(draft[t] == main[t + 1]) for t in range(299))
+    assert (accepted.item(), drafted.item()) == (by_hand, 299)
+    assert by_hand / 299 > 0.35  # measured 0.53: the trained head agrees with the model it drafts for
+
     force_transformers_torch_kernels(monkeypatch)
     hf = AutoModelForCausalLM.from_pretrained(out / "hf").eval()  # float32, as exported
     ids = torch.tensor(list(b"Once upon a time, Tara read a book."))[None]
@@ -397,3 +414,38 @@ def test_mtp_under_context_parallelism_needs_the_shifted_ids_of_the_whole_rows()
     model.context_parallel = object()  # any CP group: refused before it is used
     with pytest.raises(ValueError, match="mtp_input_ids from the whole rows"):
         model(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], mtp=True)
+
+
+def test_draft_acceptance_under_context_parallelism_shifts_across_the_zigzag_chunks():
+    """draft_matches on each CP rank's zigzag chunks counts, summed over the ranks, what a loop over the whole rows
+    counts: the main model's pick at t + 1 often lies in another chunk, on another rank."""
+    import types
+
+    from harness.validation import draft_matches
+    from parallel.context_parallel import shard_zigzag
+
+    gen = torch.Generator().manual_seed(0)
+    batch, seq, vocab, cp = 2, 16, 7, 2
+    main = torch.randint(0, vocab, (batch, seq), generator=gen)
+    draft = torch.randint(0, vocab, (batch, seq), generator=gen)
+    agree = torch.rand(batch, seq, generator=gen) < 0.5
+    draft[:, :-1] = torch.where(agree[:, :-1], main[:, 1:], draft[:, :-1])
+    labels = torch.where(torch.rand(batch, seq, generator=gen) < 0.8, 1, -100)
+    labels[:, -1] = -100  # no x_{t+2} for the last position
+    want = sum(int(draft[b, t] == main[b, t + 1]) for b in range(batch) for t in range(seq - 1) if labels[b, t] != -100)
+
+    one_hot = lambda picks: F.one_hot(picks, vocab).float()  # noqa: E731  (logits whose argmax is the pick)
+    got = 0
+    for rank in range(cp):
+        local = lambda t: shard_zigzag(t, cp, rank)  # noqa: E731
+
+        def gather_sequence(x, rank=rank):
+            assert torch.equal(x, local(main))  # this rank's picks, in its zigzag order
+            return main
+
+        model = types.SimpleNamespace(lm_head=torch.nn.Identity(), context_parallel=types.SimpleNamespace(
+            size=cp, rank=rank, gather_sequence=gather_sequence))
+        out = types.SimpleNamespace(hidden=local(one_hot(main)), mtp_hidden=[local(one_hot(draft))])
+        accepted, drafted = draft_matches(model, {"mtp_labels": local(labels)[..., None], "loss_chunk_tokens": 5}, out)
+        got += accepted.item()
+    assert got == want and want > 5
