@@ -1,7 +1,8 @@
 """Training the MTP layer: its loss is the token mean of the x_{t+2} cross entropy over the valid targets of the
 global batch (never across a document, masked targets left out), the same in float64 on one process, FSDP=2, CP=2
-(the shifts crossing zigzag chunks and ranks), EP=2 and FSDP=2 with full activation checkpointing, and the same as
-each document run alone with the targets listed by hand (tests/distributed/mtp_worker.py)."""
+(the shifts crossing zigzag chunks and ranks), EP=2, FSDP=2 with full activation checkpointing and FSDP=2 with the
+lm_head an FSDP unit, and the same as each document run alone with the targets listed by hand
+(tests/distributed/mtp_worker.py)."""
 
 import pytest
 
@@ -15,6 +16,8 @@ LAYOUTS = {
     "cp2": (2, ("--parallelism.context_parallel_degree", "2")),
     "ep2": (2, ("--parallelism.expert_parallel_degree", "2")),
     "fsdp2_full_ac": (2, ("--activation_checkpoint.mode", "full")),
+    # the 2-rank layouts above go vocabulary-parallel ("auto"); here the lm_head is an FSDP unit
+    "fsdp2_lm_head_unit": (2, ("--parallelism.vocab_parallel", "never")),
 }
 RUNS = {name: register(Run(f"mtp/{name}", nproc, STEP, layout)) for name, (nproc, layout) in LAYOUTS.items()}
 
