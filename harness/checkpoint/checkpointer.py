@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -195,6 +196,21 @@ def model_tensor_shapes(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
         raise CheckpointError(f"{checkpoint} is not a readable DCP checkpoint: {e}") from None
     return {key[len("model."):]: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
             if key.startswith("model.") and hasattr(md, "size")}
+
+
+def _newly_trained_mtp_params(path: Path, optimizer_state: dict) -> list[str]:
+    """The MTP parameters this run trains whose optimizer state the checkpoint lacks (it was saved with them frozen,
+    `training.mtp_loss_coef` 0), removed from `optimizer_state` (get_optimizer_state_dict's) so that the load skips
+    them: they then start with no state, as at a first step. Any other parameter without saved state is left in,
+    for the load to name."""
+    saved = set()
+    for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        if key.startswith("optimizer.state."):
+            saved.add(key[len("optimizer.state."):].rsplit(".", 1)[0])  # optimizer.state.<fqn>.<exp_avg ...>
+    fresh = [fqn for fqn in optimizer_state["state"] if fqn not in saved and fqn.startswith("mtp.")]
+    for fqn in fresh:
+        del optimizer_state["state"][fqn]
+    return fresh
 
 
 def _first_cause(e: BaseException) -> BaseException:
@@ -414,12 +430,24 @@ class Checkpointer:
                  "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
         if same_world:
             state[f"rank{self.rank}"] = b""
+        fresh = _newly_trained_mtp_params(path, state["optimizer"])
+        groups = [list(group["params"]) for group in state["optimizer"]["param_groups"]]
         self._load(path, state)
+        if fresh:  # the checkpoint's groups list the parameters it trained: this run's lists name the MTP's too
+            for group, params in zip(state["optimizer"]["param_groups"], groups):
+                group["params"] = params
+            logger.info("checkpoint %s holds no optimizer state for the MTP layers (saved with them frozen): their "
+                        "AdamW state starts afresh here", path)
         set_model_state_dict(self.model, state["model"])
         # How the step runs (foreach or not) is this process's choice, for its device and layout; the checkpoint's
         # groups carry the flag of the run that saved it.
         foreach = [group.get("foreach") for group in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(strict=not fresh))
+        if fresh:  # no state at all, as before a first step (not the zeros of torch's lr-0 initialising step)
+            params = {canonical_name(name): p for name, p in self.model.named_parameters()}
+            for fqn in fresh:
+                self.optimizer.state.pop(params[fqn], None)
         for group, flag in zip(self.optimizer.param_groups, foreach):
             group["foreach"] = flag
         self.lr_scheduler.load_state_dict(train["lr_scheduler"])

@@ -449,3 +449,31 @@ def test_draft_acceptance_under_context_parallelism_shifts_across_the_zigzag_chu
         accepted, drafted = draft_matches(model, {"mtp_labels": local(labels)[..., None], "loss_chunk_tokens": 5}, out)
         got += accepted.item()
     assert got == want and want > 5
+
+
+def test_a_run_frozen_then_relaunched_with_the_mtp_loss_starts_the_mtp_optimizer_state_afresh(tmp_path):
+    """training.mtp_loss_coef 0 for 2 steps, then a relaunch at 0.1: the checkpoint holds no optimizer state for the
+    MTP layers. The relaunch loads every other parameter's (their step counts go on from 2) and gives the MTP's none,
+    as before a first step (its first step is step 1 of its own), instead of failing to load."""
+    from harness.config import load_config
+    from harness.train import main
+    from harness.trainer import Trainer
+
+    flags = ["--config", str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "debugmodel_mtp",
+             "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
+             "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    assert main([*flags, "--training.steps", "2", "--training.mtp_loss_coef", "0"]) == 0
+    trainer = Trainer(load_config([*flags, "--training.steps", "3", "--training.mtp_loss_coef", "0.1"]))
+    try:
+        assert trainer.step == 2
+        named = dict(trainer.model.named_parameters())
+        mtp = [p for name, p in named.items() if name.startswith("mtp.")]
+        rest = [p for name, p in named.items() if not name.startswith("mtp.")]
+        assert mtp and all(p.requires_grad and p not in trainer.optimizer.state for p in mtp)
+        assert all(trainer.optimizer.state[p]["step"].item() == 2 for p in rest)
+        out = trainer.train_step([next(iter(trainer.dataloader))])
+        assert "mtp_loss" in out
+        assert all(trainer.optimizer.state[p]["step"].item() == 1 for p in mtp)
+        assert all(trainer.optimizer.state[p]["step"].item() == 3 for p in rest)
+    finally:
+        trainer.close()
