@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
-from .checkpoint.checkpointer import CheckpointError, step_folders
+from .checkpoint.checkpointer import CheckpointError, model_tensors, step_folders
 from .checkpoint.hf_weights import write_hf_folder
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 
@@ -60,8 +60,7 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     export_dtype = DTYPES[dtype or config.get("dtype", "bfloat16")]
     adapter = Qwen35MoeStateDictAdapter(args)
 
-    saved = {key[len("model."):]: md for key, md in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata.items()
-             if key.startswith("model.") and hasattr(md, "size")}
+    saved = model_tensors(FileSystemReader(str(step_dir)).read_metadata())
     native_of = {adapter.to_hf_key(k): k for k in saved if adapter.to_hf_key(k) is not None}
     specs = {h: (hf_export_dtype(h, export_dtype), tuple(saved[k].size)) for h, k in native_of.items()}
 

@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -188,23 +189,27 @@ def _set_aside(folder: Path, paths: list[Path], why: str) -> None:
                    why)
 
 
-def model_tensor_shapes(checkpoint: str | Path) -> dict[str, tuple[int, ...]]:
-    """{native key: global shape} of the model weights a DCP checkpoint holds (from its metadata only)."""
+def read_metadata(checkpoint: str | Path) -> Metadata:
+    """A DCP checkpoint's metadata (its .metadata file: every key's shape and dtype, no tensor data)."""
     try:
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+        return FileSystemReader(str(checkpoint)).read_metadata()
     except Exception as e:  # a folder without (or with an unreadable) .metadata
         raise CheckpointError(f"{checkpoint} is not a readable DCP checkpoint: {e}") from None
-    return {key[len("model."):]: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
+
+
+def model_tensors(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """{native key: its metadata (global size, dtype)} of the model weights a DCP checkpoint holds."""
+    return {key[len("model."):]: md for key, md in metadata.state_dict_metadata.items()
             if key.startswith("model.") and hasattr(md, "size")}
 
 
-def _newly_trained_mtp_params(path: Path, optimizer_state: dict) -> list[str]:
+def _newly_trained_mtp_params(metadata: Metadata, optimizer_state: dict) -> list[str]:
     """The MTP parameters this run trains whose optimizer state the checkpoint lacks (it was saved with them frozen,
     `training.mtp_loss_coef` 0), removed from `optimizer_state` (get_optimizer_state_dict's) so that the load skips
     them: they then start with no state, as at a first step. Any other parameter without saved state is left in,
     for the load to name."""
     saved = set()
-    for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+    for key in metadata.state_dict_metadata:
         if key.startswith("optimizer.state."):
             saved.add(key[len("optimizer.state."):].rsplit(".", 1)[0])  # optimizer.state.<fqn>.<exp_avg ...>
     fresh = [fqn for fqn in optimizer_state["state"] if fqn not in saved and fqn.startswith("mtp.")]
@@ -422,7 +427,8 @@ class Checkpointer:
         `run_config`: None for a checkpoint saved without). Verification comes first: `verified_resume_step`.
         `restore_data` False (checkpoint.restart_data): the data loader keeps its start."""
         path = self.folder / f"step-{step}"
-        self._check_model_matches(path)
+        metadata = read_metadata(path)
+        self._check_model_matches(path, metadata)
         train = _from_bytes(self._load(path, {"train": b""})["train"], "train", path)
         train.setdefault("run_config", None)
         same_world = train["world_size"] == self.world
@@ -430,7 +436,7 @@ class Checkpointer:
                  "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
         if same_world:
             state[f"rank{self.rank}"] = b""
-        fresh = _newly_trained_mtp_params(path, state["optimizer"])
+        fresh = _newly_trained_mtp_params(metadata, state["optimizer"])
         groups = [list(group["params"]) for group in state["optimizer"]["param_groups"]]
         self._load(path, state)
         if fresh:  # the checkpoint's groups list the parameters it trained: this run's lists name the MTP's too
@@ -478,8 +484,8 @@ class Checkpointer:
             raise CheckpointError(f"cannot load checkpoint {path}: {_one_line(_first_cause(e))}{hint}") from e
         return state
 
-    def _check_model_matches(self, path: Path) -> None:
-        saved = model_tensor_shapes(path)
+    def _check_model_matches(self, path: Path, metadata: Metadata) -> None:
+        saved = {key: tuple(md.size) for key, md in model_tensors(metadata).items()}
         ours = {canonical_name(k): tuple(v.shape) for k, v in self.model.state_dict().items()}
         missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
         misshaped = [f"{k} {saved[k]} (model: {ours[k]})" for k in sorted(ours.keys() & saved.keys()) if saved[k] != ours[k]]
