@@ -18,13 +18,18 @@ from torch.distributed.tensor import DTensor
 
 from models.qwen35_moe.init import canonical_name
 from models.qwen35_moe.moe import TopKRouter
-from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, debug_trainer
+from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, layout_trainer
 
 GLOBAL_BATCH = 4
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """{canonical name: the whole gradient} of every parameter, gathered from its shards."""
+    return {canonical_name(name): full(p.grad) for name, p in model.named_parameters()}
 
 
 def documents_across_chunk_edges(batch: dict) -> dict:
@@ -82,13 +87,10 @@ def step(folder: str, *overrides: str) -> None:
 
 
 def _step(folder: str, one_row_microbatches: bool, overrides: tuple[str, ...]) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    settings = dict(zip(overrides[::2], overrides[1::2]))
-    cp = int(settings.get("--parallelism.context_parallel_degree", 1))
-    trainer = debug_trainer(
-        folder, "--training.local_batch_size", str(GLOBAL_BATCH * cp // world),
+    trainer, cp = layout_trainer(
+        folder, overrides, GLOBAL_BATCH,
         "--training.aux_loss_coef", "0.1",  # on, and large enough to matter in the router gradients
-        "--validation.enable", "true", "--validation.steps", "2", "--validation.dataset_path", CORPUS, *overrides)
+        "--validation.enable", "true", "--validation.steps", "2", "--validation.dataset_path", CORPUS)
     initial = {canonical_name(name): full(p) for name, p in trainer.model.named_parameters()}
     validation = trainer.validator.validate(trainer.model)
     batch = next(iter(trainer.dataloader))  # DP rank r of W: global rows r, r + W, ... of the same 4 rows
@@ -96,7 +98,7 @@ def _step(folder: str, one_row_microbatches: bool, overrides: tuple[str, ...]) -
     rows = len(batch["input_ids"])
     split = [{key: value[i:i + 1] for key, value in batch.items()} for i in range(rows)]
     out = trainer.train_step(split if one_row_microbatches else [batch])
-    grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
+    grads = full_grads(trainer.model)
     spread = replica_spread(trainer.model)
     logits = None
     if cp == 1:  # the forward without labels (evaluation): logits of this rank's first row, with the stepped weights

@@ -63,6 +63,14 @@ def register(run: Run) -> Run:
     return run
 
 
+def register_layouts(prefix: str, target: str, layouts: dict[str, tuple[int, tuple[str, ...]]]) -> tuple[Run, dict]:
+    """`target` run on one process ("<prefix>/single") and once per layout, {name: (processes, its flags)}: the
+    one-process reference and {name: run}."""
+    single = register(Run(f"{prefix}/single", 1, target))
+    return single, {name: register(Run(f"{prefix}/{name}", nproc, target, flags))
+                    for name, (nproc, flags) in layouts.items()}
+
+
 def started_processes(name: str, start: Callable[[Path], None]) -> Run:
     """A registered run that starts processes of its own (`start(folder)`: run_train.sh as a user runs it, say,
     leaving what they printed in `folder`), in the background with the launches."""

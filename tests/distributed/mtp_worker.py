@@ -11,9 +11,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_moe.init import canonical_name
-from tests.distributed.fsdp_step_worker import documents_across_chunk_edges, full
-from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, debug_trainer, in_float64
+from tests.distributed.fsdp_step_worker import documents_across_chunk_edges, full_grads
+from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, in_float64, layout_trainer
 
 GLOBAL_BATCH = 4
 
@@ -50,18 +49,14 @@ def step(folder: str, *overrides: str) -> None:
 
 
 def _step(folder: str, overrides: tuple[str, ...]) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    settings = dict(zip(overrides[::2], overrides[1::2]))
-    cp = int(settings.get("--parallelism.context_parallel_degree", 1))
-    trainer = debug_trainer(folder, "--model.flavor", "debugmodel_mtp", "--training.mtp_loss_coef", "0.1",
-                            "--training.local_batch_size", str(GLOBAL_BATCH * cp // world),
-                            "--validation.enable", "true", "--validation.steps", "2",
-                            "--validation.dataset_path", CORPUS, *overrides)
+    trainer, _ = layout_trainer(folder, overrides, GLOBAL_BATCH, "--model.flavor", "debugmodel_mtp",
+                                "--training.mtp_loss_coef", "0.1", "--validation.enable", "true",
+                                "--validation.steps", "2", "--validation.dataset_path", CORPUS)
     validation = trainer.validator.validate(trainer.model)
     batch = with_target_mask(documents_across_chunk_edges(next(iter(trainer.dataloader))))
-    reference = reference_mtp_loss(trainer.model, batch) if world == 1 else None
+    reference = reference_mtp_loss(trainer.model, batch) if trainer.dims.world_size == 1 else None
     out = trainer.train_step([batch])
-    grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
+    grads = full_grads(trainer.model)
     if trainer.rank == 0:
         torch.save({"out": out, "grads": grads, "reference": reference, "validation": validation},
                    os.path.join(folder, "result.pt"))

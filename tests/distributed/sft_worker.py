@@ -11,9 +11,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_moe.init import canonical_name
-from tests.distributed.fsdp_step_worker import full
-from tests.distributed.trainer_runs import REPO, close_keeping_process_group, debug_trainer, in_float64
+from tests.distributed.fsdp_step_worker import full_grads
+from tests.distributed.trainer_runs import REPO, close_keeping_process_group, in_float64, layout_trainer
 
 GLOBAL_BATCH = 4
 CHAT = os.path.join(REPO, "data", "debug_chat")
@@ -49,11 +48,8 @@ def step(folder: str, *overrides: str) -> None:
 
 
 def _step(folder: str, overrides: tuple[str, ...]) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    settings = dict(zip(overrides[::2], overrides[1::2]))
-    cp = int(settings.get("--parallelism.context_parallel_degree", 1))
-    trainer = debug_trainer(folder, *CHAT_FLAGS, "--training.seq_len", "128",
-                            "--training.local_batch_size", str(GLOBAL_BATCH * cp // world), *overrides)
+    trainer, cp = layout_trainer(folder, overrides, GLOBAL_BATCH, *CHAT_FLAGS, "--training.seq_len", "128")
+    world = trainer.dims.world_size
     validation = trainer.validator.validate(trainer.model)
     batch = next(iter(trainer.dataloader))
     reference = unpacked_loss(trainer.model, batch) if world == 1 else None
@@ -62,7 +58,7 @@ def _step(folder: str, overrides: tuple[str, ...]) -> None:
         torch.distributed.all_reduce(targets)
         targets //= cp
     out = trainer.train_step([batch])
-    grads = {canonical_name(name): full(p.grad) for name, p in trainer.model.named_parameters()}
+    grads = full_grads(trainer.model)
     if trainer.rank == 0:
         torch.save({"out": out, "grads": grads, "validation": validation, "targets": int(targets),
                     "row_tokens": int(batch["input_ids"].numel()) * world // cp, "unpacked": reference},

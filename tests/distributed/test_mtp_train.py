@@ -6,11 +6,9 @@ lm_head an FSDP unit, and the same as each document run alone with the targets l
 
 import pytest
 
-from tests.distributed.launch import Run, register
+from tests.distributed.launch import register_layouts
 from tests.distributed.trainer_runs import assert_same_grads, saved_result
 
-STEP = "tests.distributed.mtp_worker:step"
-SINGLE = register(Run("mtp/single", 1, STEP))
 LAYOUTS = {
     "fsdp2": (2, ()),
     "cp2": (2, ("--parallelism.context_parallel_degree", "2")),
@@ -19,7 +17,7 @@ LAYOUTS = {
     # the 2-rank layouts above go vocabulary-parallel ("auto"); here the lm_head is an FSDP unit
     "fsdp2_lm_head_unit": (2, ("--parallelism.vocab_parallel", "never")),
 }
-RUNS = {name: register(Run(f"mtp/{name}", nproc, STEP, layout)) for name, (nproc, layout) in LAYOUTS.items()}
+SINGLE, RUNS = register_layouts("mtp", "tests.distributed.mtp_worker:step", LAYOUTS)
 
 
 def test_mtp_loss_is_the_token_mean_over_the_x_t2_targets_of_each_document_alone(launches):

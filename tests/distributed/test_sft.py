@@ -4,17 +4,15 @@ conversation run alone (unpacked) with the cross entropy computed outside the mo
 
 import pytest
 
-from tests.distributed.launch import Run, register
+from tests.distributed.launch import register_layouts
 from tests.distributed.trainer_runs import assert_same_grads, saved_result
 
-STEP = "tests.distributed.sft_worker:step"
-SINGLE = register(Run("sft/single", 1, STEP))
 LAYOUTS = {
     "fsdp2": (2, ()),
     "cp2": (2, ("--parallelism.context_parallel_degree", "2")),
     "ep2": (2, ("--parallelism.expert_parallel_degree", "2")),
 }
-RUNS = {name: register(Run(f"sft/{name}", nproc, STEP, layout)) for name, (nproc, layout) in LAYOUTS.items()}
+SINGLE, RUNS = register_layouts("sft", "tests.distributed.sft_worker:step", LAYOUTS)
 
 
 def test_packed_loss_is_the_token_mean_over_the_targets_of_the_conversations_run_alone(launches):

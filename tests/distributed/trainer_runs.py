@@ -26,6 +26,16 @@ def debug_trainer(folder: str, *overrides: str) -> Trainer:
     ]))
 
 
+def layout_trainer(folder: str, overrides: tuple[str, ...], global_rows: int, *flags: str) -> tuple[Trainer, int]:
+    """debug_trainer with `flags`, then the layout's `overrides`, each data-parallel rank given its share of a global
+    batch of `global_rows` rows (the CP ranks of one data-parallel rank hold the same rows). Returns it and its CP
+    degree."""
+    settings = dict(zip(overrides[::2], overrides[1::2]))
+    cp = int(settings.get("--parallelism.context_parallel_degree", 1))
+    local = global_rows * cp // int(os.environ.get("WORLD_SIZE", "1"))
+    return debug_trainer(folder, *flags, "--training.local_batch_size", str(local), *overrides), cp
+
+
 def close_keeping_process_group(trainer: Trainer) -> None:
     with mock.patch.object(dist, "destroy_process_group", lambda *args, **kwargs: None):
         trainer.close()

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.config import ConfigError
 from harness.data.chat import ChatEncoder, ChatOptions
