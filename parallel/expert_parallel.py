@@ -119,20 +119,16 @@ def local_partial_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Ten
                           first: int, local: int) -> torch.Tensor:
     """x (N, D), top-k weights and expert ids (N, k) -> (N, D) in fp32 (at least): each token's weighted sum over
     those of its experts that are here, `local_experts` = experts first ... first + local - 1 (zero if none is).
-    Static shapes: the expert buffers hold all N * k assignments, this rank's first."""
+
+    Static shapes: the expert buffers have room for all N * k assignments, this rank's sorted first and the other
+    ranks' after them as one extra group that is never run. Only this rank's rows, a count on the device, are
+    gathered, computed and read back (combine_expert_outputs' `routed_rows`): the buffers' other rows are left
+    unwritten, so the other ranks' assignments cost no memory traffic."""
     mine = (ids >= first) & (ids < first + local)
-    # The other ranks' experts become one extra group, `local`, sorted after this rank's and never run.
     local_ids = torch.where(mine, ids - first, local)
-
-    def run(x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Rows from counts[:local].sum() on are the other ranks' assignments, which the experts leave unspecified
-        # (the grouped GEMM does not write them): masked, not multiplied, on the way in and out, so no garbage
-        # (NaN) reaches an output or a gradient through them.
-        ours = (torch.arange(x_sorted.shape[0], device=x_sorted.device) < counts[:local].sum())[:, None]
-        return torch.where(ours, local_experts(torch.where(ours, x_sorted, 0), counts[:local]), 0)
-
-    return combine_expert_outputs(x, weights, local_ids, expert_counts(local_ids, local + 1), run,
-                                  out_dtype=torch.promote_types(x.dtype, torch.float32))
+    counts = expert_counts(local_ids, local + 1)[:local]
+    return combine_expert_outputs(x, weights, local_ids, counts, local_experts,
+                                  out_dtype=torch.promote_types(x.dtype, torch.float32), routed_rows=counts.sum())
 
 
 class AllGatherExpertParallel:

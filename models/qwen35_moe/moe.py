@@ -66,31 +66,48 @@ def _grouped_path(x: torch.Tensor) -> bool:
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, index, inverse, group):
-        ctx.save_for_backward(inverse)
+    def forward(ctx, x, index, inverse, group, limit):
+        ctx.save_for_backward(inverse, limit)
         ctx.group = group
-        return x.index_select(0, index)
+        if limit is not None and _grouped_path(x):
+            from .kernels.moe_combine_triton import gather_rows_below
+            return gather_rows_below(x, index, limit)
+        rows = x.index_select(0, index)
+        if limit is not None:
+            rows = torch.where(_below(limit, rows.shape[0]), rows, 0)
+        return rows
 
     @staticmethod
     def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
+        inverse, limit = ctx.saved_tensors
         if ctx.group > 1 and _grouped_path(grad):
             from .kernels.moe_combine_triton import row_group_sum
-            return row_group_sum(grad.contiguous(), inverse, ctx.group), None, None, None
+            return row_group_sum(grad.contiguous(), inverse, ctx.group, limit), None, None, None, None
+        if limit is not None:  # masked, not multiplied: the rows past the limit may hold NaN
+            grad = torch.where(_below(limit, grad.shape[0]), grad, 0)
         grad = grad.index_select(0, inverse)
         if ctx.group > 1:
             grad = grad.view(-1, ctx.group, grad.shape[-1]).sum(1)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, group: int = 1) -> torch.Tensor:
+def _below(limit: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows, 1) mask of the rows below the device scalar `limit`."""
+    return (torch.arange(rows, device=limit.device) < limit)[:, None]
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, group: int = 1,
+                limit: torch.Tensor | None = None) -> torch.Tensor:
     """x[index] for 2-D x whose backward is a gather too, not index_select's scatter-add (bf16 atomics on CUDA:
     slow, rounded at every add, in no fixed order).
 
     index[i] = perm[i] // group for a permutation perm of range(len(x) * group) whose inverse is `inverse`: every
     row of x is taken `group` times (group 1: index is a permutation). The gradient of row n is then the sum of
-    the output gradient's rows inverse[n * group : (n + 1) * group], one reduction with one rounding."""
-    return _GatherRows.apply(x, index, inverse, group)
+    the output gradient's rows inverse[n * group : (n + 1) * group], one reduction with one rounding.
+
+    `limit` (device scalar): only the output rows below it are taken (the rest are zeros on the torch path and
+    unwritten on the CUDA one) and only their gradients flow back."""
+    return _GatherRows.apply(x, index, inverse, group, limit)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -193,23 +210,31 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def combine_expert_outputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
                            run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                           out_dtype: torch.dtype | None = None, routed_rows: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """x (N, D), top-k weights and expert ids (N, k), counts = expert_counts(ids, E) -> (N, D): each token's k
     expert outputs, weighted and summed.
 
     The N * k (token, slot) assignments are sorted by expert so each expert sees a contiguous block;
     `run_experts(x_sorted, counts)` maps those rows to the experts' outputs; back in (token, slot) order the k
     outputs of a token are weighted and summed in one reduction (in `out_dtype`, by default x's). In bf16 on CUDA
-    one Triton kernel (kernels/moe_combine_triton.py) reads the k outputs where they lie and sums with fp32 weights."""
+    one Triton kernel (kernels/moe_combine_triton.py) reads the k outputs where they lie and sums with fp32 weights.
+
+    `routed_rows` (device scalar): only the first routed_rows sorted assignments go to experts (those of `counts`,
+    which then covers fewer experts than ids names); the rest add nothing. Their rows are neither gathered nor
+    read back, and what the experts leave in them (unspecified) reaches no output or gradient."""
     num_tokens, top_k = ids.shape
     order = ids.reshape(-1).argsort(stable=True)
     slot_at = inverse_permutation(order)  # where each assignment landed
-    x_sorted = gather_rows(x, order // top_k, slot_at, top_k)  # (N * k, D)
+    x_sorted = gather_rows(x, order // top_k, slot_at, top_k, routed_rows)  # (N * k, D)
     routed = run_experts(x_sorted, counts)
     if _grouped_path(routed):
         from .kernels.moe_combine_triton import weighted_row_sum
-        return weighted_row_sum(routed.contiguous(), slot_at, weights, out_dtype or x.dtype)
-    per_slot = gather_rows(routed, slot_at, order).view(num_tokens, top_k, -1)  # (N, k, D)
+        return weighted_row_sum(routed.contiguous(), slot_at, weights, out_dtype or x.dtype, routed_rows)
+    per_slot = gather_rows(routed, slot_at, order)
+    if routed_rows is not None:  # masked, not multiplied: the rows past the limit are unspecified
+        per_slot = torch.where((slot_at < routed_rows)[:, None], per_slot, 0)
+    per_slot = per_slot.view(num_tokens, top_k, -1)  # (N, k, D)
     return (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1, dtype=out_dtype)
 
 

@@ -70,8 +70,8 @@ def test_forward_sums_do_not_depend_on_the_tile_or_the_output_dtype():
     for config in _weighted_row_sum.configs:
         out = torch.empty(n, d, device="cuda")
         block = config.kwargs["BLOCK_D"]
-        _weighted_row_sum.fn[(n, triton.cdiv(d, block))](src, index, weights, out, d, K=k, HAS_WEIGHTS=True,
-                                                         BLOCK_D=block, num_warps=config.num_warps)
+        _weighted_row_sum.fn[(n, triton.cdiv(d, block))](src, index, weights, index, out, d, K=k, HAS_WEIGHTS=True,
+                                                         HAS_LIMIT=False, BLOCK_D=block, num_warps=config.num_warps)
         sums.append(out)
     for other in sums[1:]:
         assert torch.equal(other, sums[0])
@@ -131,3 +131,75 @@ def test_gather_rows_backward_kernel_equals_float64_sum():
     grad = torch.randn(n * k, d, generator=g).to(torch.bfloat16).cuda()
     gather_rows(x, perm // k, inverse, k).backward(grad)
     _assert_rounded_once(x.grad, grad.double().index_select(0, inverse).view(n, k, d).sum(1))
+
+
+def test_rows_past_a_limit_are_neither_read_nor_written():
+    """With a limit (expert parallelism's all-gather: only this rank's assignments exist) the combine, the token
+    gather and their backwards touch only the rows below it. Rows past it hold NaN here, as unwritten buffers may:
+    the results equal float64 references in which the slots past the limit are dropped, with no NaN anywhere, and
+    the gradient rows past the limit are left unwritten (still the NaN they were allocated over)."""
+    from models.qwen35_moe.kernels.moe_combine_triton import weighted_row_sum
+
+    n, k, d = 300, 8, 2096
+    src, index, weights, grad_out = _inputs(n, k, d, seed=4)
+    rows = n * k * 3 // 8
+    limit = torch.tensor(rows, device="cuda")
+    src[rows:] = float("nan")
+    here = (index < rows).view(n, k)
+    src64 = src.double().nan_to_num(0).requires_grad_()
+    w64 = weights.double().requires_grad_()
+    exact = (src64[index].view(n, k, d) * (w64 * here)[..., None]).sum(1)
+    exact.backward(grad_out.double())
+
+    torch.testing.assert_close(weighted_row_sum(src, index, weights, torch.float32, limit).double(), exact.detach(),
+                               rtol=1e-6, atol=1e-6)
+    src_ = src.clone().requires_grad_()
+    w_ = weights.clone().requires_grad_()
+    weighted_row_sum(src_, index, w_, torch.bfloat16, limit).backward(grad_out)
+    _assert_rounded_once(src_.grad[:rows], src64.grad[:rows], summed=False)
+    torch.testing.assert_close(w_.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)  # zero past the limit
+    assert (w_.grad[~here] == 0).all()
+
+    # The gather feeding the experts: row i = x[index[i] // k] below the limit; its backward sums only those rows.
+    x = torch.randn(n, d, device="cuda").to(torch.bfloat16).requires_grad_()
+    inverse = inverse_permutation(index)
+    taken = gather_rows(x, index // k, inverse, k, limit)
+    assert torch.equal(taken[:rows], x.detach()[index[:rows] // k])
+    grad = torch.randn(n * k, d, device="cuda").to(torch.bfloat16)
+    grad[rows:] = float("nan")
+    taken.backward(grad)
+    _assert_rounded_once(x.grad, (grad.double().nan_to_num(0)).index_select(0, inverse).view(n, k, d).sum(1))
+
+
+def test_layer_combine_with_a_limit_matches_the_torch_path_eager_and_compiled():
+    """combine_expert_outputs with routed_rows (what the all-gather dispatch runs): on CUDA through the kernels,
+    eager and compiled (fullgraph), against the float64 torch path, which masks the rows past the limit instead."""
+    n, k, d, experts, running = 256, 8, 512, 16, 6
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, d, generator=g).to(torch.bfloat16)
+    ids = torch.randn(n, experts, generator=g).topk(k, -1).indices
+    weights = torch.rand(n, k, generator=g).softmax(-1)
+    scale = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
+    grad_out = torch.randn(n, d, generator=g).to(torch.bfloat16)
+
+    def layer(x, weights, ids, scale):
+        counts = expert_counts(ids, experts)[:running]  # experts 0-5 run; the other slots add nothing
+        run = lambda rows, counts: rows * scale  # noqa: E731
+        return combine_expert_outputs(x, weights, ids, counts, run, out_dtype=torch.float32,
+                                      routed_rows=counts.sum())
+
+    def outputs_and_grads(fn, dtype, device):
+        weights_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        leaves = [t.to(device, dt).clone().requires_grad_() for t, dt in ((x, dtype), (weights, weights_dtype))]
+        out = fn(leaves[0], leaves[1], ids.to(device), scale.to(device, dtype))
+        out.backward(grad_out.to(device, out.dtype))
+        return [t.detach().double().cpu() for t in (out, leaves[0].grad, leaves[1].grad)]
+
+    exact = outputs_and_grads(layer, torch.float64, "cpu")
+    eager = outputs_and_grads(layer, torch.bfloat16, "cuda")
+    compiled = outputs_and_grads(torch.compile(layer, fullgraph=True), torch.bfloat16, "cuda")
+    assert (exact[2][(ids >= running)] == 0).all() and (exact[2][(ids < running)] != 0).all()
+    for ours, want, atol in zip(eager, exact, (1e-2, 1e-2, 1e-1)):
+        torch.testing.assert_close(ours, want, rtol=1e-2, atol=atol)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
