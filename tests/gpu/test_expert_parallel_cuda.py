@@ -1,6 +1,6 @@
 """Expert parallelism's dispatch on CUDA (NCCL, one rank, bf16 grouped GEMM experts): with either dispatch the layer
 gives the plain layer's output and gradients bitwise (one rank: the exchange only permutes); the all-to-all makes
-the host wait for the GPU once per layer, for the split sizes, the all-gather never. The all-gather's masked rows
+the host wait for the GPU once per layer, for the split sizes, the all-gather never. The all-gather's skipped rows
 (the other ranks' assignments, which the grouped GEMM leaves unwritten) against a float64 reference. The other
 ranks' layouts run on CPU in tests/distributed/test_fsdp.py and on GPUs in benchmarks/train_throughput.py."""
 
@@ -87,7 +87,7 @@ def _poison_free_memory() -> None:
     del blocks
 
 
-def test_all_gather_partials_mask_the_other_ranks_rows_against_a_float64_reference():
+def test_all_gather_partials_skip_the_other_ranks_rows_against_a_float64_reference():
     """Rank 1 of 4 (experts 2-3 of 8): its bf16 partial outputs and the gradients of tokens, routing weights and
     its experts, against the formula in float64, with the unwritten rows of its buffers poisoned with NaN."""
     torch.manual_seed(0)
