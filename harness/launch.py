@@ -8,7 +8,8 @@
 - Otherwise torchrun starts NGPU workers per node. Worker output passes through as it comes; torchrun's own
   lines are held back and shown only when a worker failed without saying why (a crash). A worker that stops
   for a known reason (2 bad input, 3 divergence, 0 SIGTERM, 130 Ctrl-C) leaves its code in QWEN35_EXIT_DIR
-  and the launcher exits with it, after the worker's one line, without torchrun's traceback.
+  and the launcher exits with it, after the worker's one line, without torchrun's traceback; that line too, which
+  the launcher prints at the end if it came from a rank whose output LOG_RANK hides (bad data met by one rank).
 - Signals: torchrun and its workers run in a process group of their own, so a terminal's Ctrl-C reaches this launcher
   alone, as `kill -INT <launcher pid>` does; the launcher passes SIGINT and SIGTERM on to each worker once
   (`SignalForwarder`): one Ctrl-C saves and exits 130, a second stops at once, SIGTERM saves and exits 0, whatever
@@ -34,7 +35,7 @@ from pathlib import Path
 from .atomic_file import write_whole
 from .config import ConfigError, with_default_config
 from .preflight import check_launch
-from .train import BAD_INPUT, INTERRUPTED, PID_FILE, STARTING, STOP_FILE
+from .train import BAD_INPUT, ERROR_FILE, EXIT_FILE, INTERRUPTED, PID_FILE, STARTING, STOP_FILE
 
 def visible_gpus() -> int:
     """GPUs this process may use, counted without importing torch (CUDA_VISIBLE_DEVICES, else the driver's list)."""
@@ -99,18 +100,24 @@ def run_torchrun(argv: list[str], nproc: int, nnodes: int) -> int:
     try:
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True)
         forward.started(proc)
+        shown = []
         for line in proc.stderr:
             if line.startswith("[rank"):  # a worker's line, tee'd by torchrun
                 sys.stderr.write(line)
+                shown.append(line)
             else:
                 held.append(line)
         returncode = proc.wait()
-        codes = [int(p.read_text()) for p in Path(exit_dir).glob("rank*")]
+        codes = [int(p.read_text()) for p in Path(exit_dir).glob(f"{EXIT_FILE}[0-9]*")]
+        errors = {p.read_text(): p.name.removeprefix(ERROR_FILE) for p in Path(exit_dir).glob(f"{ERROR_FILE}[0-9]*")}
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         shutil.rmtree(exit_dir, ignore_errors=True)
     if returncode != 0 and codes:  # the workers stopped for a known reason (torchrun reports any stop as failed)
+        for error, rank in sorted(errors.items(), key=lambda item: int(item[1])):
+            if not any(error in line for line in shown):  # a rank LOG_RANK hides met it alone: its line, once
+                print(f"[rank{rank}]:{error}", file=sys.stderr)
         return max(codes)  # every rank reports the same reason; the larger code wins if they differ
     if returncode != 0 and forward.received is not None:  # stopped before any worker could say so
         interrupted = forward.received == signal.SIGINT

@@ -10,7 +10,10 @@ nothing saved for that step); 130 interrupted by Ctrl-C (one line; saved first u
 143 stopped by SIGTERM while starting, before the first step (one line; nothing to save yet, and a dataset cache
 being built leaves no temporary folder). Under a launcher that sets QWEN35_EXIT_DIR, each rank writes its pid there
 as it starts, so the launcher can pass signals on to it, and a rank that stops for one of these reasons writes its
-code there, so the launcher can exit with it instead of torchrun's generic 1.
+code there, so the launcher can exit with it instead of torchrun's generic 1, and its `error:` line, so the
+launcher can show it when that rank's output is not shown (LOG_RANK). A rank whose collective breaks because
+another rank already stopped for such a reason (bad data met by one rank alone, mid-training) adds nothing: that
+rank's line is the run's one error, not this rank's traceback of a closed connection.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from .atomic_file import write_whole
 from .config import ConfigError, with_default_config
@@ -30,7 +34,8 @@ from .preflight import check_launch
 BAD_INPUT, DIVERGED, INTERRUPTED, TERMINATED_STARTING = 2, 3, 130, 143  # 143: 128 + SIGTERM, as the shell reports
 STARTING = "interrupted while starting; nothing saved"
 SHARED_ERROR_GRACE_S = 3.0  # how long a rank that leaves an error to rank 0 waits before it exits
-PID_FILE, STOP_FILE = "pid.rank", "stop"  # in QWEN35_EXIT_DIR: a rank's pid; the signal the launcher received
+# in QWEN35_EXIT_DIR: a rank's pid; the signal the launcher received; a rank's exit code; its `error:` line
+PID_FILE, STOP_FILE, EXIT_FILE, ERROR_FILE = "pid.rank", "stop", "rank", "error.rank"
 TERMINATED_WHILE_STARTING = "stopped on SIGTERM while starting; nothing saved"
 
 
@@ -123,6 +128,11 @@ def _main(argv: list[str] | None) -> int:
         return _stop(0 if stopped.reason == TERMINATED else INTERRUPTED, str(stopped))
     except KeyboardInterrupt:  # a second Ctrl-C: no save
         return _stop(INTERRUPTED, f"interrupted at step {trainer.step}; not saved (Ctrl-C twice)")
+    except Exception:
+        peer = _peer_stopped()
+        if peer is None:
+            raise
+        return peer  # silently: that rank's line says why (the launcher exits with its code)
     finally:
         trainer.close()
     return 0
@@ -150,9 +160,11 @@ def _stop(code: int, message: str) -> int:
 def _fail(code: int, err: Exception, shared: bool = False) -> int:
     """An error: one `error:` line, from every rank that met it, or from rank 0 alone when all ranks met the same
     (`shared`: a config every rank read, a verdict rank 0 sent them)."""
-    if not shared or int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    _record_exit(code)
+    line = f"error: {err}"
+    printed = not shared or int(os.environ.get("RANK", "0")) == 0
+    if printed:
+        print(line, file=sys.stderr, flush=True)
+    _record_exit(code, line if printed else None)
     if shared and int(os.environ.get("RANK", "0")) != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torchrun stops every worker once one exits with an error: leave rank 0 the time to print the line, and
         # take torchrun's SIGTERM meanwhile as what it is, the end of a run that has already failed
@@ -176,11 +188,27 @@ def _record_pid() -> None:
         pass
 
 
-def _record_exit(code: int) -> None:
+def _record_exit(code: int, error: str | None = None) -> None:
+    """Tell the launcher why this rank stops (torchrun itself only reports "failed"): its code and error line, each
+    written whole (another rank may read them at once, `_peer_stopped`), the line first."""
     exit_dir = os.environ.get("QWEN35_EXIT_DIR")
-    if exit_dir:  # tell the launcher why this rank stops (torchrun itself only reports "failed")
-        with open(os.path.join(exit_dir, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
-            f.write(str(code))
+    if exit_dir:
+        rank = os.environ.get("RANK", "0")
+        if error is not None:
+            write_whole(os.path.join(exit_dir, f"{ERROR_FILE}{rank}"), error)
+        write_whole(os.path.join(exit_dir, f"{EXIT_FILE}{rank}"), str(code))
+
+
+def _peer_stopped() -> int | None:
+    """The exit code another rank of this node recorded, if one stopped for a known reason (its record is written
+    before it exits, so before its peers' collectives with it break); None if none did."""
+    exit_dir = os.environ.get("QWEN35_EXIT_DIR")
+    if not exit_dir:
+        return None
+    mine = f"{EXIT_FILE}{os.environ.get('RANK', '0')}"
+    codes = [int(p.read_text()) for p in Path(exit_dir).glob(f"{EXIT_FILE}[0-9]*") if p.name != mine]
+    failed = [code for code in codes if code != 0]  # a peer that stopped cleanly explains no broken collective
+    return max(failed) if failed else None
 
 
 if __name__ == "__main__":

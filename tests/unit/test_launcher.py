@@ -80,6 +80,42 @@ def test_bad_input_under_torchrun_itself_is_one_error_line_not_one_per_rank(bad,
     assert codes["rank0"] == "2" and set(codes.values()) == {"2"}
 
 
+# Fault injection: Python imports sitecustomize from PYTHONPATH at start-up, in each worker.
+DATA_FAULT = """
+import os
+if os.environ.get("RANK") == "1":
+    import harness.data.loader as loader
+    from harness.data.errors import DataError
+    fetch, calls = loader.TokenCacheLoader.__next__, []
+    def failing(self):
+        calls.append(1)
+        if len(calls) == 14:
+            raise DataError("row 7 of shard 3 is damaged")
+        return fetch(self)
+    loader.TokenCacheLoader.__next__ = failing
+"""
+
+
+def test_bad_data_met_by_one_hidden_rank_mid_training_is_its_one_error_line_and_no_peer_traceback(tmp_path):
+    """Rank 1 alone (its output hidden: LOG_RANK defaults to 0) meets bad data at step 14, after a checkpoint: the
+    run exits 2 with rank 1's line, not rank 0's traceback of the collective that broke with it, and the
+    checkpoint saved before stays whole."""
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(DATA_FAULT)
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(tmp_path / "fault")}
+    env.pop("LOG_RANK", None)
+    result = subprocess.run([RUN_TRAIN, *FAST, "--training.steps", "40", "--checkpoint.enable", "true",
+                             "--checkpoint.interval", "10", "--job.dump_folder", str(tmp_path / "o")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == ["[rank1]:error: row 7 of shard 3 is damaged"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    steps = sorted(p.name for p in (tmp_path / "o" / "checkpoint").iterdir())
+    assert steps == ["step-10"] and (tmp_path / "o" / "checkpoint" / "step-10" / "COMPLETE").is_file()
+
+
 @pytest.mark.parametrize("ngpu", ["1", "2"])
 def test_divergence_exits_3_with_the_workers_error_and_no_launcher_traceback(ngpu, tmp_path):
     result = run_train(*FAST, "--training.steps", "6", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
