@@ -135,6 +135,8 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
     (nothing moved) when `load_step` is not complete or fails verification, or when no checkpoint verifies."""
     folder = Path(folder)
     rank, world = _rank_world(group)
+    if rank == 0:
+        _report_set_aside(folder)
     listed = [sorted(step_folders(folder))]
     if dist.is_initialized():  # rank 0's listing, so that every rank walks the same steps
         dist.broadcast_object_list(listed, src=0, group=group)
@@ -174,6 +176,17 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
         if error is not None:
             raise CheckpointError(error, every_rank=True)
     return step
+
+
+def _report_set_aside(folder: Path) -> None:
+    """One line when earlier launches set checkpoints aside here: nothing deletes them (they may be the line a user
+    wants back), so a full disk should not come as a surprise."""
+    aside = sorted(folder.glob(f"{ABANDONED}*"))
+    if aside:
+        size = sum(f.stat().st_size for path in aside for f in path.rglob("*") if f.is_file())
+        logger.info("checkpoint: %d folder(s) of checkpoints set aside earlier are kept in %s (%s, %.2f GiB): "
+                    "delete them once they are not needed", len(aside), folder, ", ".join(p.name for p in aside),
+                    size / 1024**3)
 
 
 def _set_aside(folder: Path, paths: list[Path], why: str) -> None:

@@ -188,7 +188,11 @@ def test_load_step_rolls_back_and_a_plain_relaunch_continues_the_rolled_back_lin
     assert len(moved) == 1 and "moved step-4 aside" in moved[0] and "rolls back to step-2" in moved[0]
     assert sorted(step_folders(folder / "checkpoint")) == [3]  # the step just saved stays
     assert run(folder, cache, *new_line, "--training.steps", "4") == 0  # a plain relaunch
-    assert "step-3 (step 3)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step-3 (step 3)" in err
+    kept = [line for line in err.splitlines() if "set aside earlier" in line]  # reported, not deleted
+    assert len(kept) == 1 and f"1 folder(s) of checkpoints set aside earlier are kept in {folder / 'checkpoint'}" \
+        in kept[0] and "abandoned-" in kept[0], err
     assert losses(folder) == losses(tmp_path / "reference")
     assert sorted(step_folders(folder / "checkpoint")) == [4]
     [aside] = abandoned(folder)
