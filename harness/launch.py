@@ -35,7 +35,7 @@ from pathlib import Path
 from .atomic_file import write_whole
 from .config import ConfigError, with_default_config
 from .preflight import check_launch
-from .train import BAD_INPUT, ERROR_FILE, EXIT_FILE, INTERRUPTED, PID_FILE, STARTING, STOP_FILE
+from .train import BAD_INPUT, ERROR_FILE, EXIT_FILE, INTERRUPTED, PID_FILE, STARTING, STOP_FILE, recorded
 
 def visible_gpus() -> int:
     """GPUs this process may use, counted without importing torch (CUDA_VISIBLE_DEVICES, else the driver's list)."""
@@ -108,16 +108,17 @@ def run_torchrun(argv: list[str], nproc: int, nnodes: int) -> int:
             else:
                 held.append(line)
         returncode = proc.wait()
-        codes = [int(p.read_text()) for p in Path(exit_dir).glob(f"{EXIT_FILE}[0-9]*")]
-        errors = {p.read_text(): p.name.removeprefix(ERROR_FILE) for p in Path(exit_dir).glob(f"{ERROR_FILE}[0-9]*")}
+        codes = [int(code) for code in recorded(exit_dir, EXIT_FILE).values()]
+        errors = recorded(exit_dir, ERROR_FILE)
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         shutil.rmtree(exit_dir, ignore_errors=True)
     if returncode != 0 and codes:  # the workers stopped for a known reason (torchrun reports any stop as failed)
-        for error, rank in sorted(errors.items(), key=lambda item: int(item[1])):
+        for rank, error in sorted(errors.items()):
             if not any(error in line for line in shown):  # a rank LOG_RANK hides met it alone: its line, once
                 print(f"[rank{rank}]:{error}", file=sys.stderr)
+                shown.append(error)
         return max(codes)  # every rank reports the same reason; the larger code wins if they differ
     if returncode != 0 and forward.received is not None:  # stopped before any worker could say so
         interrupted = forward.received == signal.SIGINT

@@ -199,14 +199,19 @@ def _record_exit(code: int, error: str | None = None) -> None:
         write_whole(os.path.join(exit_dir, f"{EXIT_FILE}{rank}"), str(code))
 
 
+def recorded(exit_dir: str | Path, what: str) -> dict[int, str]:
+    """{rank: text} of the records `_record_exit` left in exit_dir: what = EXIT_FILE (codes) or ERROR_FILE (lines)."""
+    return {int(p.name.removeprefix(what)): p.read_text() for p in Path(exit_dir).glob(f"{what}[0-9]*")}
+
+
 def _peer_stopped() -> int | None:
     """The exit code another rank of this node recorded, if one stopped for a known reason (its record is written
     before it exits, so before its peers' collectives with it break); None if none did."""
     exit_dir = os.environ.get("QWEN35_EXIT_DIR")
     if not exit_dir:
         return None
-    mine = f"{EXIT_FILE}{os.environ.get('RANK', '0')}"
-    codes = [int(p.read_text()) for p in Path(exit_dir).glob(f"{EXIT_FILE}[0-9]*") if p.name != mine]
+    mine = int(os.environ.get("RANK", "0"))
+    codes = [int(code) for rank, code in recorded(exit_dir, EXIT_FILE).items() if rank != mine]
     failed = [code for code in codes if code != 0]  # a peer that stopped cleanly explains no broken collective
     return max(failed) if failed else None
 

@@ -88,21 +88,16 @@ def test_row_group_sum_equals_float64_sum():
     _assert_rounded_once(ours, src.double()[index].view(n, k, d).sum(1))
 
 
-def test_layer_combine_matches_float64_and_compiles_without_graph_break():
-    """combine_expert_outputs on CUDA bf16 (both kernels: the combine, and the token gather's backward) with a
-    per-row scaling standing in for the experts, against the float64 torch path of the same bf16 inputs; eager and
-    compile(fullgraph=True: fails on a graph break) agree bitwise."""
-    n, k, d, experts = 256, 8, 512, 16
-    g = torch.Generator().manual_seed(2)
+def _layer_results(run_layer, seed: int, n: int = 256, k: int = 8, d: int = 512, experts: int = 16):
+    """The outputs and the x and weight gradients of `run_layer(x, weights, ids, scale)` (combine_expert_outputs with
+    a per-row scaling standing in for the experts) on the same bf16 inputs: in float64 on CPU (the torch path), in
+    bf16 on CUDA eager, and compiled with fullgraph=True (fails on a graph break). Also returns the expert ids."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g).to(torch.bfloat16)
     ids = torch.randn(n, experts, generator=g).topk(k, -1).indices
     weights = torch.rand(n, k, generator=g).softmax(-1)  # fp32, as the router gives them
     scale = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
     grad_out = torch.randn(n, d, generator=g).to(torch.bfloat16)
-
-    def layer(x, weights, ids, scale):
-        run = lambda rows, counts: rows * scale  # noqa: E731 (per row, so the expert order does not matter)
-        return combine_expert_outputs(x, weights, ids, expert_counts(ids, experts), run)
 
     def outputs_and_grads(fn, dtype, device):
         weights_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -111,15 +106,32 @@ def test_layer_combine_matches_float64_and_compiles_without_graph_break():
         out.backward(grad_out.to(device, out.dtype))
         return [t.detach().double().cpu() for t in (out, leaves[0].grad, leaves[1].grad)]
 
-    exact = outputs_and_grads(layer, torch.float64, "cpu")
-    eager = outputs_and_grads(layer, torch.bfloat16, "cuda")
-    compiled = outputs_and_grads(torch.compile(layer, fullgraph=True), torch.bfloat16, "cuda")
+    exact = outputs_and_grads(run_layer, torch.float64, "cpu")
+    eager = outputs_and_grads(run_layer, torch.bfloat16, "cuda")
+    compiled = outputs_and_grads(torch.compile(run_layer, fullgraph=True), torch.bfloat16, "cuda")
+    return exact, eager, compiled, ids
+
+
+def _assert_close_to_float64_and_compiled_equal(exact, eager, compiled) -> None:
     # Error budget: one bf16 rounding of each scaled row (the stand-in expert) and of the sum; the weights'
     # gradient is a 512-term dot product of such rows.
     for ours, want, atol in zip(eager, exact, (1e-2, 1e-2, 1e-1)):
         torch.testing.assert_close(ours, want, rtol=1e-2, atol=atol)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_layer_combine_matches_float64_and_compiles_without_graph_break():
+    """combine_expert_outputs on CUDA bf16 (both kernels: the combine, and the token gather's backward) against the
+    float64 torch path of the same bf16 inputs; eager and compiled agree bitwise."""
+    experts = 16
+
+    def layer(x, weights, ids, scale):
+        run = lambda rows, counts: rows * scale  # noqa: E731 (per row, so the expert order does not matter)
+        return combine_expert_outputs(x, weights, ids, expert_counts(ids, experts), run)
+
+    exact, eager, compiled, _ = _layer_results(layer, seed=2, experts=experts)
+    _assert_close_to_float64_and_compiled_equal(exact, eager, compiled)
 
 
 def test_gather_rows_backward_kernel_equals_float64_sum():
@@ -174,13 +186,7 @@ def test_rows_past_a_limit_are_neither_read_nor_written():
 def test_layer_combine_with_a_limit_matches_the_torch_path_eager_and_compiled():
     """combine_expert_outputs with routed_rows (what the all-gather dispatch runs): on CUDA through the kernels,
     eager and compiled (fullgraph), against the float64 torch path, which masks the rows past the limit instead."""
-    n, k, d, experts, running = 256, 8, 512, 16, 6
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(n, d, generator=g).to(torch.bfloat16)
-    ids = torch.randn(n, experts, generator=g).topk(k, -1).indices
-    weights = torch.rand(n, k, generator=g).softmax(-1)
-    scale = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
-    grad_out = torch.randn(n, d, generator=g).to(torch.bfloat16)
+    experts, running = 16, 6
 
     def layer(x, weights, ids, scale):
         counts = expert_counts(ids, experts)[:running]  # experts 0-5 run; the other slots add nothing
@@ -188,18 +194,6 @@ def test_layer_combine_with_a_limit_matches_the_torch_path_eager_and_compiled():
         return combine_expert_outputs(x, weights, ids, counts, run, out_dtype=torch.float32,
                                       routed_rows=counts.sum())
 
-    def outputs_and_grads(fn, dtype, device):
-        weights_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        leaves = [t.to(device, dt).clone().requires_grad_() for t, dt in ((x, dtype), (weights, weights_dtype))]
-        out = fn(leaves[0], leaves[1], ids.to(device), scale.to(device, dtype))
-        out.backward(grad_out.to(device, out.dtype))
-        return [t.detach().double().cpu() for t in (out, leaves[0].grad, leaves[1].grad)]
-
-    exact = outputs_and_grads(layer, torch.float64, "cpu")
-    eager = outputs_and_grads(layer, torch.bfloat16, "cuda")
-    compiled = outputs_and_grads(torch.compile(layer, fullgraph=True), torch.bfloat16, "cuda")
+    exact, eager, compiled, ids = _layer_results(layer, seed=5, experts=experts)
     assert (exact[2][(ids >= running)] == 0).all() and (exact[2][(ids < running)] != 0).all()
-    for ours, want, atol in zip(eager, exact, (1e-2, 1e-2, 1e-1)):
-        torch.testing.assert_close(ours, want, rtol=1e-2, atol=atol)
-    for a, b in zip(eager, compiled):
-        assert torch.equal(a, b)
+    _assert_close_to_float64_and_compiled_equal(exact, eager, compiled)
