@@ -11,8 +11,10 @@ the same shard plan, names, dtypes (A_log, dt_bias and the GDN norm in F32) and 
 Only a complete step is converted (one with the COMPLETE the trainer writes last), and its files are first checked
 against the digests COMPLETE records (a step saved before they were recorded converts with a warning). The output is
 written into <hf_out_dir>.tmp and renamed into place: an interrupted or refused write (a full disk) never leaves a
-folder that looks complete. Reading a checkpoint unpickles DCP's .metadata (torch's format): a checkpoint from
-someone else is code; convert only your own or ones you trust.
+folder that looks complete. An existing <hf_out_dir> is replaced only if it is empty or an export of this program (it
+holds qwen35_titan_export.json), never when it holds the step (the run's folder): anything else is refused, as is a
+<hf_out_dir>.tmp or .old beside it that is not a leftover of an export. Reading a checkpoint unpickles DCP's .metadata
+(torch's format): a checkpoint from someone else is code; convert only your own or ones you trust.
 Exit codes: 0 done, 2 bad input (one `error:` line).
 """
 
@@ -34,7 +36,7 @@ from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
 from .checkpoint.checkpointer import CheckpointError, model_tensors, step_folders
-from .checkpoint.hf_weights import write_hf_folder
+from .checkpoint.hf_weights import check_hf_export_folder, write_hf_folder
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -51,6 +53,7 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     if not (step_dir / ".metadata").is_file():
         hint = " (it holds step-N folders: name one of them)" if any(step_dir.glob("step-*")) else ""
         raise ConvertError(f"{step_dir} is not a DCP checkpoint step folder: it has no .metadata{hint}")
+    check_hf_export_folder(out_dir, source=step_dir)  # before the step's files are hashed: a refusal costs nothing
     verify(step_dir)
     if not (meta_dir / "config.json").is_file():
         raise ConvertError(f"{meta_dir / 'config.json'} is missing: the trainer writes it beside every checkpoint; "
@@ -80,7 +83,8 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
             if path.name != "config.json":
                 (shutil.copytree if path.is_dir() else shutil.copy2)(path, tmp / path.name)
 
-    write_hf_folder(out_dir, args, export_dtype, specs, fetch, extra_files, max_shard_bytes=int(max_shard_gib * 1024**3))
+    write_hf_folder(out_dir, args, export_dtype, specs, fetch, extra_files,
+                    max_shard_bytes=int(max_shard_gib * 1024**3), source=step_dir)
     return Path(out_dir)
 
 
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Reading a checkpoint unpickles its DCP .metadata (torch's format): a "
                                      "checkpoint from someone else is code; convert only your own or ones you trust.")
     parser.add_argument("step_dir", help="a checkpoint step folder, <dump_folder>/checkpoint/step-N")
-    parser.add_argument("out_dir", help="the Hugging Face folder to write (replaced if it exists)")
+    parser.add_argument("out_dir", help="the Hugging Face folder to write: a new or empty folder, or an earlier export "
+                        "(replaced); never the run's folder or any other folder of files")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="export dtype (default: the run's checkpoint.export_dtype)")
     parser.add_argument("--max-shard-gib", type=float, default=5.0, help="largest output shard (default 5)")

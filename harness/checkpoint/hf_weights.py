@@ -31,11 +31,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
 from models.qwen35_moe.hf_checkpoint import (
     MAX_SHARD_BYTES,
+    ExportFolderRefused,
     HFCheckpointReader,
+    export_folder_refusal,
     fresh_temporary_folder,
     plan_shards,
     publish_hf_folder,
     shard_names,
+    temporary_folder,
     write_shard,
 )
 from models.qwen35_moe.init import canonical_name
@@ -83,28 +86,58 @@ def _combined_shape(key: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return shapes[0]
 
 
+def check_hf_export_folder(folder: str | Path, source: str | Path | None = None) -> None:
+    """Raise CheckpointError on every rank (train.py and the converter: exit 2, one line naming the folder and what
+    to do) if an export to `folder` would be refused: it replaces only a folder that is absent, empty or an export
+    of this program, never one holding or inside `source` (the checkpoint it reads), and deletes `<folder>.tmp` /
+    `<folder>.old` only under the same rule (models/qwen35_moe/hf_checkpoint.py, `export_folder_refusal`).
+
+    Called by every rank alike (a collective when distributed: rank 0 looks, every rank gets its verdict). The
+    export itself calls it before anything is written; a trainer that exports at the end calls it at start, so that
+    a run does not train towards an export it cannot write."""
+    rank, _ = _rank_world()
+    refusal = None
+    if rank == 0:
+        try:
+            refusal = export_folder_refusal(folder, source)
+        except OSError as e:  # a folder it may not list
+            refusal = f"cannot look into {folder} or the folders beside it: {e}; name another output folder"
+    refusal = agreed(refusal)
+    if refusal is not None:
+        raise CheckpointError(refusal, every_rank=True)
+
+
 def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
                     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                     fetch: Callable[[list[str], bool], Iterable[tuple[str, torch.Tensor | None]]],
                     extra_files: Callable[[Path], None] | None = None,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, source: str | Path | None = None) -> None:
     """Write an HF folder shard by shard; called by every rank alike (`specs`: export dtype and shape of every
     HF key). `fetch(keys, keep)` yields (key, tensor) for those HF keys, in sorted order and export dtype, one at
     a time: the tensor where `keep` (the shard's owner, who writes it to disk at once), None elsewhere. It may
     run collectives: every rank consumes it whole, in the same order.
 
-    Everything is written into `<folder>.tmp` and renamed into place at the end: a write the file system refuses
-    (a full disk) on any rank raises CheckpointError on every rank, the temporary folder is removed and `folder`
-    stays as it was."""
+    `folder` is first checked (`check_hf_export_folder`, with `source` the checkpoint it is made from): a folder
+    that is not an export of ours is never replaced. Everything is written into `<folder>.tmp` and renamed into
+    place at the end: a write the file system refuses (a full disk) on any rank raises CheckpointError on every
+    rank, the temporary folder is removed and `folder` stays as it was."""
+    check_hf_export_folder(folder, source)
     rank, world = _rank_world()
     shards = plan_shards(specs, max_shard_bytes)
-    tmp = Path(folder).with_name(Path(folder).name + ".tmp")
-    error = None
+    tmp = temporary_folder(folder)
+
+    def unwritable(path: Path, e: OSError) -> str:
+        if isinstance(e, ExportFolderRefused):  # the folders changed since the check
+            return str(e)
+        return (f"cannot write the Hugging Face folder {folder}: {path}: {e}; nothing was replaced there. Free space "
+                "(or fix the file system), then export again (python -m harness.convert converts a checkpoint step)")
+
+    error, tmp_is_ours = None, True
     if rank == 0:
         try:
             fresh_temporary_folder(folder)
         except OSError as e:
-            error = f"{tmp}: {e}"
+            error, tmp_is_ours = unwritable(tmp, e), not isinstance(e, ExportFolderRefused)
     if agreed(error) is None:
         for i, (name, keys) in enumerate(zip(shard_names(len(shards)), shards)):
             tensors = fetch(sorted(keys), i % world == rank)
@@ -112,7 +145,7 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
                 try:
                     write_shard(tmp / name, {k: specs[k] for k in keys}, tensors)
                 except OSError as e:
-                    error = f"{tmp / name}: {e}"
+                    error = unwritable(tmp / name, e)
             for _ in tensors:  # the rest, where this rank is not the owner or its write failed: every rank takes
                 pass           # part in the collectives that gather each tensor
     error = agreed(error)
@@ -120,14 +153,12 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
         try:
             publish_hf_folder(tmp, folder, args, dtype, shards, specs, extra_files)
         except OSError as e:
-            error = f"{tmp}: {e}"
+            error = unwritable(tmp, e)
     error = agreed(error)
     if error is not None:
-        if rank == 0:
+        if rank == 0 and tmp_is_ours:
             shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
-        raise CheckpointError(f"cannot write the Hugging Face folder {folder}: {error}; nothing was replaced there. "
-                              "Free space (or fix the file system), then export again (python -m harness.convert "
-                              "converts a checkpoint step)", every_rank=True)
+        raise CheckpointError(error, every_rank=True)
 
 
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,

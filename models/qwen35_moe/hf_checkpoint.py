@@ -20,6 +20,15 @@ from .state_dict_adapter import Qwen35MoeStateDictAdapter, hf_export_dtype
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default shard size
+# In every export (and in its temporary folder from the moment it is created): the sign that the folder is an export
+# of this program, which a later export may replace. Constant, so the converter and the trainer write the same bytes.
+EXPORT_MARKER = "qwen35_titan_export.json"
+_MARKER_TEXT = json.dumps({"written_by": "qwen35-titan", "note": "a Hugging Face export of qwen35-titan: "
+                           "a later export to this folder replaces the whole folder"}, indent=2) + "\n"
+
+
+class ExportFolderRefused(FileExistsError):
+    """An export would replace or delete a folder that is not an export of this program (`export_folder_refusal`)."""
 
 
 class HFCheckpointReader:
@@ -89,10 +98,13 @@ def save_hf_checkpoint(
     first), the shard index last, then `extra_files(temporary_folder)` adds what must be published with the
     weights (the tokenizer). Every file is made readable by all (0644, folders 0755, less the umask),
     everything is flushed to disk, then the folder is renamed into place: an interrupted export never leaves
-    a half-written or mixed folder under the final name. (A sharded model is exported piece by piece with the
-    same helpers by harness/checkpoint/hf_weights.py.)
+    a half-written or mixed folder under the final name. An existing folder is replaced only if it is an export of
+    this program or empty (ExportFolderRefused, before anything is written, otherwise). (A sharded model is exported
+    piece by piece with the same helpers by harness/checkpoint/hf_weights.py.)
     """
-    folder = Path(folder)
+    refusal = export_folder_refusal(folder)
+    if refusal is not None:
+        raise ExportFolderRefused(refusal)
     hf = Qwen35MoeStateDictAdapter(args).to_hf(state_dict)
     specs = {k: (hf_export_dtype(k, dtype), tuple(v.shape)) for k, v in hf.items()}
     shards = plan_shards(specs, max_shard_bytes)
@@ -129,13 +141,69 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+def temporary_folder(folder: str | Path) -> Path:
+    """`<folder>.tmp`, beside the folder's real path (symlinks resolved), where an export is written."""
+    folder = Path(folder).resolve()
+    return folder.with_name(folder.name + ".tmp")
+
+
+def _set_aside_folder(folder: str | Path) -> Path:
+    """`<folder>.old`, where an export moves the folder it replaces until the new one is in place."""
+    folder = Path(folder).resolve()
+    return folder.with_name(folder.name + ".old")
+
+
+def _replaceable(path: Path) -> bool:
+    """Nothing there, an empty folder, or a folder an export of this program wrote (or was writing)."""
+    if not path.exists() and not path.is_symlink():
+        return True
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return (path / EXPORT_MARKER).is_file() or not any(path.iterdir())
+
+
+def export_folder_refusal(folder: str | Path, source: str | Path | None = None) -> str | None:
+    """Why an export must not be written to `folder`, in one sentence that names the folder at fault and what to do;
+    None when it may. An export replaces its whole folder and deletes `<folder>.tmp` and `<folder>.old` beside it
+    (what an interrupted export leaves), so each must be absent, an empty folder or one holding EXPORT_MARKER (an
+    export of ours; one written before exports were marked is refused: the error says to delete it). `folder` must
+    also neither hold nor lie inside `source`, the checkpoint the export is made from (symlinks resolved)."""
+    given, target = Path(folder), Path(folder).resolve()
+    named = str(given) if str(given) == str(target) else f"{given} ({target})"
+    if not target.name:
+        return f"{named} is the file system's root: name a new folder for the export"
+    if source is not None:
+        step = Path(source).resolve()
+        instead = f" (such as {step.parent.parent / ('hf-' + step.name)})" if step.name.startswith("step-") else ""
+        if target == step or target in step.parents:
+            return (f"{named} holds the checkpoint {source}, and an export replaces its whole folder: name an output "
+                    f"folder outside it{instead}")
+        if step in target.parents:
+            return f"{named} lies inside the checkpoint {source}: name an output folder outside it{instead}"
+    if not _replaceable(target):
+        if not target.is_dir():
+            return f"{named} is a file: name a folder for the export"
+        return (f"{named} is not empty and is not an export of this program (it has no {EXPORT_MARKER}): an export "
+                "replaces its whole folder, so it writes only into a new or empty folder or over an earlier export. "
+                "Name a new folder (a folder exported by this program before exports were marked: delete it first)")
+    for beside in (temporary_folder(target), _set_aside_folder(target)):
+        if not _replaceable(beside):
+            return (f"{beside} exists beside {named} and is not what an interrupted export leaves (an empty folder or "
+                    f"one holding {EXPORT_MARKER}): an export deletes it first; move it away, or name another output "
+                    "folder")
+    return None
+
+
 def fresh_temporary_folder(folder: str | Path) -> Path:
-    """`<folder>.tmp`, empty: an earlier export that died there must not leave files in this one."""
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    """`<folder>.tmp`, empty but for EXPORT_MARKER: an earlier export that died there must not leave files in this
+    one, and a leftover of this one is known as ours."""
+    tmp = temporary_folder(folder)
+    if not _replaceable(tmp):
+        raise ExportFolderRefused(export_folder_refusal(folder))
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    (tmp / EXPORT_MARKER).write_text(_MARKER_TEXT)
     return tmp
 
 
@@ -175,8 +243,13 @@ def publish_hf_folder(tmp: Path, folder: str | Path, args: Qwen35MoeArgs, dtype:
                       shards: list[list[str]], specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                       extra_files: Callable[[Path], None] | None = None) -> Path:
     """Complete a temporary folder whose shards are written (config.json, the index last, `extra_files`),
-    make it readable by all, flush it and rename it into place (an existing folder is replaced)."""
-    folder = Path(folder)
+    make it readable by all, flush it and rename it into place. An existing folder is replaced only if it is an export
+    of this program or empty (`export_folder_refusal`, asked again here: the folder may have changed since the export
+    began); ExportFolderRefused otherwise, the temporary folder left for the caller to remove."""
+    refusal = export_folder_refusal(folder)
+    if refusal is not None:
+        raise ExportFolderRefused(refusal)
+    folder = Path(folder).resolve()
     dtype_name = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype_name), indent=2) + "\n")
     if len(shards) > 1:
@@ -188,10 +261,10 @@ def publish_hf_folder(tmp: Path, folder: str | Path, args: Qwen35MoeArgs, dtype:
         extra_files(tmp)
     _make_readable(tmp)
     _fsync_folder(tmp)
+    backup = _set_aside_folder(folder)
+    if backup.exists():  # left by an export that died between the two renames
+        shutil.rmtree(backup)
     if folder.exists():
-        backup = folder.with_name(folder.name + ".old")
-        if backup.exists():  # left by an export that died between the two renames
-            shutil.rmtree(backup)
         folder.rename(backup)
         tmp.rename(folder)
         shutil.rmtree(backup)

@@ -206,7 +206,8 @@ def test_export_files_are_0644_and_folders_0755_less_the_umask(model_and_args, t
         folder = _export(model_and_args, tmp_path / "hf", HFTokenizer(str(tmp_path / "tok")))
     assert sorted(p.name for p in folder.iterdir()) == [
         "additional_chat_templates", "chat_template.jinja", "config.json", "generation_config.json",
-        "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+        "model.safetensors", "qwen35_titan_export.json", "special_tokens_map.json", "tokenizer.json",
+        "tokenizer_config.json"]
     for path in folder.rglob("*"):
         expected = 0o750 if path.is_dir() else 0o640  # 0755 / 0644 less umask 027: the group reads, others don't
         assert stat.S_IMODE(path.stat().st_mode) == expected, path.name
@@ -217,7 +218,8 @@ def test_export_files_are_readable_by_all_under_the_usual_umask(model_and_args, 
     with umask(0o022):
         folder = _export(model_and_args, tmp_path / "hf", ByteTokenizer())
     assert sorted(p.name for p in folder.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json", "generation_config.json", "model.safetensors", "qwen35_titan_export.json", "tokenizer.json",
+        "tokenizer_config.json"]
     for path in folder.iterdir():
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & stat.S_IRGRP and mode & stat.S_IROTH, f"{path.name}: {oct(mode)}"

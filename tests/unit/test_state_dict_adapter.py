@@ -15,6 +15,7 @@ from models.qwen35_moe import (
     load_hf_state_dict,
     save_hf_checkpoint,
 )
+from models.qwen35_moe.hf_checkpoint import EXPORT_MARKER
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 from tests.builders import initialized_model
 from tests.hf_reference import TINY_HF_CONFIG, official_dtypes, per_expert
@@ -165,7 +166,7 @@ def test_export_ignores_leftovers_of_an_interrupted_export(tmp_path):
 
     fresh = _native_model(seed=2).state_dict()
     save_hf_checkpoint(fresh, ARGS, tmp_path / "hf", dtype=torch.float32)
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors", EXPORT_MARKER]
     assert not (tmp_path / "hf.tmp").exists()
     loaded = from_pretrained(tmp_path / "hf").state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in fresh.items())
