@@ -151,16 +151,17 @@ def test_the_end_of_run_export_refuses_a_folder_of_other_files_on_every_rank(tmp
         check_hf_export_folder(tmp_path, source=tmp_path / "checkpoint" / "step-2")
 
 
-def test_a_run_whose_export_folder_holds_other_files_exits_2_with_one_line_and_keeps_them(tmp_path, capsys):
+def test_a_run_whose_export_would_delete_a_folder_of_the_users_exits_2_with_one_line_and_keeps_it(tmp_path, capsys):
+    """The trainer's end-of-run export into <dump_folder>/hf, with a folder of the user's at hf.tmp beside it."""
     from harness.train import main
 
     repo = Path(__file__).resolve().parents[2]
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.tmp" / "keep.txt").write_text("mine")
     capsys.readouterr()
     assert main(["--config", str(repo / "train_configs" / "debug_model.toml"), "--training.steps", "1",
                  "--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.enable_tensorboard",
                  "false", "--checkpoint.export_hf_at_end", "true", "--job.dump_folder", str(tmp_path)]) == 2
     error = one_error(capsys, logged=True)
-    assert str(tmp_path / "hf") in error and f"no {EXPORT_MARKER}" in error, error
-    assert files_under(tmp_path / "hf") == {"keep.txt": b"mine"} and not (tmp_path / "hf.tmp").exists()
+    assert str(tmp_path / "hf.tmp") in error and "move it away" in error, error
+    assert files_under(tmp_path / "hf.tmp") == {"keep.txt": b"mine"} and not (tmp_path / "hf").exists()
