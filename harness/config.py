@@ -26,7 +26,7 @@ import tomllib
 import types
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, Union, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal, NoReturn, Union, get_args, get_origin, get_type_hints
 
 from parallel.parallel_dims import ParallelDims
 
@@ -112,6 +112,12 @@ class Training:
     chat_targets: Literal["assistant", "all"] = "assistant"
     # chat: a conversation longer than seq_len + 1 tokens is dropped, or truncated to one row (counted in the log)
     chat_overlong: Literal["drop", "truncate"] = "drop"
+    # chat: a row larger than this many bytes (its jsonl line; for parquet and hf rows, the characters of its
+    # strings) is left out before it is parsed, rendered or tokenized, counted with the rows that cannot be trained
+    # on: a conversation far longer than a row would only be dropped or cut, after seconds and gigabytes of work.
+    # -1 = 16 bytes a token of a row, 16 * (seq_len + 1); raise it for rows of more bytes a token (JSON escapes of
+    # non-Latin text: 6 bytes a character). The chat cache is keyed by it: another seq_len builds another cache.
+    chat_max_row_bytes: int = -1
     aux_loss_coef: float = -1.0  # MoE load-balance loss weight; -1 = router_aux_loss_coef of the model
     # Weight of the multi-token-prediction loss (the mean over the MTP depths of each one's token-mean cross entropy
     # of x_{t+k+2}), for a model with MTP layers (the releases' config.json; flavors 35B-A3B ...): 0.1 as Megatron's
@@ -410,6 +416,51 @@ def _parse_argv(argv: list[str], problems: list[str],
     return config_path, overrides
 
 
+def _at_least(low):
+    return lambda v: v >= low
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+# The values each numeric key accepts, and how its problem reads: "<key> must be <what>, got <value>". Floats are
+# also checked finite (nan and inf pass no range check, and would crash torch or the run later). The parallel
+# degrees and training.global_batch_size are checked against the world size (validate_parallelism);
+# profiling.profile_freq only where profiling is on (_value_problems).
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model.mtp_num_hidden_layers": (_at_least(-1), "-1 (the model's own) or >= 0"),
+    "training.steps": (_positive, "positive"),
+    "training.seq_len": (_positive, "positive"),
+    "training.local_batch_size": (_positive, "positive"),
+    "training.max_norm": (lambda v: v is None or v > 0, "positive, or none for no clipping"),
+    "training.seed": (lambda v: -2 ** 63 <= v < 2 ** 64, "in [-2**63, 2**64) (what torch.manual_seed takes)"),
+    "training.chat_max_row_bytes": (lambda v: v == -1 or v > 0, "-1 (derived from seq_len) or positive"),
+    "training.aux_loss_coef": (lambda v: v == -1 or v >= 0, "-1 (the model's router_aux_loss_coef) or >= 0"),
+    "training.mtp_loss_coef": (_at_least(0), ">= 0 (0: MTP layers frozen)"),
+    "training.loss_chunk_tokens": (_at_least(0), ">= 0 (0: all tokens at once)"),
+    "training.gc_freq": (_at_least(0), ">= 0 (0: Python's own schedule)"),
+    "validation.freq": (_positive, "positive"),
+    "validation.steps": (lambda v: v > 0 or v == -1, "positive or -1 (the whole set)"),
+    "optimizer.lr": (_positive, "positive"),
+    "optimizer.eps": (_positive, "positive"),  # 0 divides 0 by 0 for a parameter whose gradients are all 0
+    "optimizer.weight_decay": (_at_least(0), ">= 0"),
+    "optimizer.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1) (beta1, beta2)"),
+    "lr_scheduler.warmup_steps": (_at_least(0), ">= 0"),
+    "lr_scheduler.decay_ratio": (lambda v: v is None or 0 <= v <= 1, "in [0, 1] or none"),
+    "lr_scheduler.min_lr_factor": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "metrics.log_freq": (_positive, "positive"),
+    "checkpoint.interval": (_positive, "positive"),
+    "checkpoint.keep_latest_k": (_at_least(0), ">= 0 (0 keeps all)"),
+    "checkpoint.load_step": (_at_least(-1), "a step or -1 (the latest)"),
+}
+
+
+def _finite(value) -> bool:
+    values = value if isinstance(value, list) else [value]
+    return all(math.isfinite(v) for v in values if isinstance(v, float))
+
+
 def _value_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> list[str]:
     """Values of the right type that no run can use. A check that reads a rejected key is skipped: the default
     standing in for the refused value would only mislead."""
@@ -419,25 +470,18 @@ def _value_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> l
         if not rejected.intersection(keys):
             problems.append(message)
 
-    positive = ["training.steps", "training.seq_len", "training.local_batch_size", "metrics.log_freq",
-                "checkpoint.interval", "validation.freq"]
-    for key in positive:
-        if _get(cfg, key) <= 0:
-            bad(f"{key} must be positive, got {_get(cfg, key)}", key)
-    if cfg.optimizer.lr <= 0:
-        bad(f"optimizer.lr must be positive, got {cfg.optimizer.lr}", "optimizer.lr")
-    if len(cfg.optimizer.betas) != 2:
-        bad(f"optimizer.betas needs two values (beta1, beta2), got {cfg.optimizer.betas}", "optimizer.betas")
-    max_norm = cfg.training.max_norm
-    if max_norm is not None and not max_norm > 0:  # `not >` also catches nan
-        bad(f"training.max_norm must be positive, or none for no clipping, got {max_norm}", "training.max_norm")
-    if cfg.lr_scheduler.warmup_steps < 0:
-        bad(f"lr_scheduler.warmup_steps must be >= 0, got {cfg.lr_scheduler.warmup_steps}",
-            "lr_scheduler.warmup_steps")
+    in_range = set()  # keys whose values are finite and inside their range: the checks between keys read them
+    for key in _ALL_KEYS:
+        value = _get(cfg, key)
+        if not _finite(value):
+            bad(f"{key} must be {'finite numbers' if isinstance(value, list) else 'a finite number'}, got {value}",
+                key)
+        elif key in _RANGES and not _RANGES[key][0](value):
+            bad(f"{key} must be {_RANGES[key][1]}, got {value}", key)
+        else:
+            in_range.add(key)
     ratio = cfg.lr_scheduler.decay_ratio
-    if ratio is not None and not 0 <= ratio <= 1:
-        bad(f"lr_scheduler.decay_ratio must be in [0, 1] or none, got {ratio}", "lr_scheduler.decay_ratio")
-    elif ratio is not None:
+    if ratio is not None and {"lr_scheduler.decay_ratio", "lr_scheduler.warmup_steps", "training.steps"} <= in_range:
         steps, warmup = cfg.training.steps, cfg.lr_scheduler.warmup_steps
         decay_start = steps - round(steps * ratio)
         if warmup > decay_start:  # the lr would jump from the warmup ramp into the middle of the decay
@@ -447,30 +491,6 @@ def _value_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> l
     if (cfg.profiling.enable_profiling or cfg.profiling.enable_memory_snapshot) and cfg.profiling.profile_freq < 2:
         bad(f"profiling.profile_freq must be >= 2 (a warm-up step, then the traced one), got "
             f"{cfg.profiling.profile_freq}", "profiling.profile_freq")
-    if cfg.model.mtp_num_hidden_layers < -1:
-        bad(f"model.mtp_num_hidden_layers must be -1 (the model's own) or >= 0, got {cfg.model.mtp_num_hidden_layers}",
-            "model.mtp_num_hidden_layers")
-    if cfg.training.mtp_loss_coef < 0 or not math.isfinite(cfg.training.mtp_loss_coef):
-        bad(f"training.mtp_loss_coef must be >= 0 (0: MTP layers frozen), got {cfg.training.mtp_loss_coef}",
-            "training.mtp_loss_coef")
-    if cfg.training.gc_freq < 0:
-        bad(f"training.gc_freq must be >= 0 (0: Python's own schedule), got {cfg.training.gc_freq}",
-            "training.gc_freq")
-    if cfg.training.loss_chunk_tokens < 0:
-        bad(f"training.loss_chunk_tokens must be >= 0 (0: all tokens at once), got "
-            f"{cfg.training.loss_chunk_tokens}", "training.loss_chunk_tokens")
-    if cfg.checkpoint.keep_latest_k < 0:
-        bad(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {cfg.checkpoint.keep_latest_k}",
-            "checkpoint.keep_latest_k")
-    if cfg.checkpoint.load_step < -1:
-        bad(f"checkpoint.load_step must be a step or -1 (the latest), got {cfg.checkpoint.load_step}",
-            "checkpoint.load_step")
-    if cfg.validation.steps == 0 or cfg.validation.steps < -1:
-        bad(f"validation.steps must be positive or -1 (the whole set), got {cfg.validation.steps}",
-            "validation.steps")
-    factor = cfg.lr_scheduler.min_lr_factor
-    if not 0 <= factor <= 1:
-        bad(f"lr_scheduler.min_lr_factor must be in [0, 1], got {factor}", "lr_scheduler.min_lr_factor")
     return problems
 
 

@@ -65,9 +65,9 @@ def test_cli_overrides_beat_the_file(toml_file, style):
 
 
 def test_cli_accepts_negative_numbers_and_none():
-    cfg = load_config(["--training.aux_loss_coef", "-1.5", "--lr_scheduler.decay_ratio", "0.1",
+    cfg = load_config(["--training.aux_loss_coef", "-1", "--lr_scheduler.decay_ratio", "0.1",
                        "--lr_scheduler.decay_ratio=None"])
-    assert cfg.training.aux_loss_coef == -1.5
+    assert cfg.training.aux_loss_coef == -1.0
     assert cfg.lr_scheduler.decay_ratio is None  # the later override wins
 
 
@@ -182,7 +182,7 @@ def test_non_positive_sizes_are_rejected(flag):
 @pytest.mark.parametrize("argv, message", [
     (["--training.loss_chunk_tokens=-1"], "training.loss_chunk_tokens must be >= 0"),
     (["--training.mtp_loss_coef=-0.1"], "training.mtp_loss_coef must be >= 0"),
-    (["--training.mtp_loss_coef=nan"], "training.mtp_loss_coef must be >= 0"),
+    (["--training.mtp_loss_coef=nan"], "training.mtp_loss_coef must be a finite number"),
     (["--model.mtp_num_hidden_layers=-2"], "model.mtp_num_hidden_layers must be -1"),
     (["--profiling.enable_profiling=true", "--profiling.profile_freq=1"], "profiling.profile_freq must be >= 2"),
 ])
@@ -200,7 +200,7 @@ def test_non_positive_lr_is_rejected(lr):
 @pytest.mark.parametrize("max_norm", ["0", "-1", "nan"])
 def test_non_positive_max_norm_is_rejected_and_none_disables_clipping(max_norm, toml_file):
     # 0 used to zero every gradient (clip to norm 0) and a negative value to skip clipping silently.
-    with pytest.raises(ConfigError, match="training.max_norm must be positive, or none"):
+    with pytest.raises(ConfigError, match="training.max_norm must be (positive, or none|a finite number)"):
         load_config([f"--training.max_norm={max_norm}"])
     assert load_config(["--training.max_norm", "none"]).training.max_norm is None
     assert load_config(["--config", toml_file('[training]\nmax_norm = "none"\n')]).training.max_norm is None
@@ -371,3 +371,79 @@ def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_named_bef
     with pytest.raises(ConfigError, match=r"expert_parallel_degree = 3 must divide the number of experts \(8\)"):
         check_run_requirements(cfg)
     check_run_requirements(load_config(["--training.dataset_path", data, "--parallelism.expert_parallel_degree", "4"]))
+
+
+# --- every numeric key has a range: nothing that passes here crashes torch or diverges later ----------------------
+
+def _numeric_keys(kind) -> list[str]:
+    from typing import get_args
+
+    from harness.config import _SCHEMA
+    return [f"{section}.{key}" for section, keys in _SCHEMA.items() for key, hint in keys.items()
+            if hint is kind or kind in get_args(hint) or (kind is float and hint == list[float])]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", _numeric_keys(float))
+def test_nan_and_infinity_are_refused_for_every_float_key(key, value):
+    flag = f"{value},0.95" if key == "optimizer.betas" else value
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--{key}={flag}"])
+    assert e.value.problems == [f"{key} must be a finite number, got {value}" if key != "optimizer.betas"
+                                else f"{key} must be finite numbers, got [{value}, 0.95]"]
+
+
+OUT_OF_RANGE = {  # key: values of the right type that no run can use, each named by the config check
+    "optimizer.lr": ["0", "-1e-3"],
+    "optimizer.eps": ["0", "-1"],
+    "optimizer.weight_decay": ["-5"],
+    "optimizer.betas": ["1.5,-1", "0.9,1", "-0.1,0.95", "0.9"],
+    "training.aux_loss_coef": ["-0.5", "-2"],
+    "training.seed": [str(2 ** 64), str(-2 ** 63 - 1)],
+    "training.steps": ["0"], "training.seq_len": ["0"], "training.local_batch_size": ["-1"],
+    "training.loss_chunk_tokens": ["-1"], "training.gc_freq": ["-1"], "training.mtp_loss_coef": ["-0.1"],
+    "training.max_norm": ["0", "-1"], "training.chat_max_row_bytes": ["0", "-2"],
+    "validation.freq": ["0"], "validation.steps": ["0", "-2"],
+    "lr_scheduler.warmup_steps": ["-1"], "lr_scheduler.decay_ratio": ["1.5", "-0.1"],
+    "lr_scheduler.min_lr_factor": ["1.5", "-0.1"],
+    "metrics.log_freq": ["0"], "checkpoint.interval": ["0"], "checkpoint.keep_latest_k": ["-1"],
+    "checkpoint.load_step": ["-2"], "model.mtp_num_hidden_layers": ["-2"],
+}
+WORLD_SIZE_KEYS = {"training.global_batch_size", "parallelism.data_parallel_replicate_degree",
+                   "parallelism.data_parallel_shard_degree", "parallelism.context_parallel_degree",
+                   "parallelism.expert_parallel_degree"}  # checked against the world size: validate_parallelism
+IN_RANGE = {"optimizer.betas": "0,0.999", "training.aux_loss_coef": "-1", "training.seed": str(2 ** 64 - 1),
+            "optimizer.weight_decay": "0", "training.chat_max_row_bytes": "-1", "validation.steps": "-1"}
+
+
+def test_every_numeric_key_has_its_range_checked():
+    numeric = set(_numeric_keys(int) + _numeric_keys(float))
+    assert numeric - WORLD_SIZE_KEYS - {"profiling.profile_freq"} == set(OUT_OF_RANGE)  # profile_freq: above
+
+
+@pytest.mark.parametrize("key, value", [(k, v) for k, values in OUT_OF_RANGE.items() for v in values])
+def test_a_value_out_of_its_keys_range_is_named_with_the_key(key, value):
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--{key}={value}"])
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(f"{key} must be"), e.value.problems
+
+
+@pytest.mark.parametrize("key, value", IN_RANGE.items())
+def test_values_at_the_ends_of_a_range_are_accepted(key, value):
+    load_config([f"--{key}={value}"])
+
+
+def test_every_problem_of_the_optimizer_is_named_in_one_error():
+    with pytest.raises(ConfigError) as e:
+        load_config(["--optimizer.lr", "nan", "--optimizer.betas", "1.5,-1", "--optimizer.eps", "-1",
+                     "--optimizer.weight_decay", "-5", "--training.aux_loss_coef", "nan"])
+    assert e.value.problems == ["training.aux_loss_coef must be a finite number, got nan",
+                                "optimizer.lr must be a finite number, got nan",
+                                "optimizer.eps must be positive, got -1.0",
+                                "optimizer.weight_decay must be >= 0, got -5.0",
+                                "optimizer.betas must be two values in [0, 1) (beta1, beta2), got [1.5, -1.0]"]
+
+
+def test_a_toml_nan_is_refused_like_a_command_line_one(toml_file):
+    with pytest.raises(ConfigError, match=r"optimizer\.lr must be a finite number, got nan"):
+        load_config(["--config", toml_file("[optimizer]\nlr = nan\n")])

@@ -41,3 +41,24 @@ def test_scheduler_sets_optimizer_lr_per_update():
         opt.step()
         sched.step()
     assert seen == pytest.approx([0.5, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_the_warmup_ramp_does_not_depend_on_the_run_length():
+    """A run shorter than its warmup ramps as the longer run it may be resumed into (training.steps raised): the lr
+    goes on from where it stopped instead of jumping back down the ramp."""
+    short = [lr_factor(s, 10, 50, None, "cosine", 0.1) for s in range(1, 11)]
+    long = [lr_factor(s, 100, 50, None, "cosine", 0.1) for s in range(1, 11)]
+    assert short == long == pytest.approx([s / 51 for s in range(1, 11)])
+
+
+def test_a_warmup_longer_than_the_run_is_named_in_a_warning(caplog):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level("WARNING", logger="harness.optim.lr_schedule"):
+        build_lr_scheduler(opt, total_steps=10, warmup_steps=10, decay_ratio=None, decay_type="cosine",
+                           min_lr_factor=0.1)
+        assert caplog.records == []  # a run that ends its warmup at its last step reaches ~the peak
+        build_lr_scheduler(opt, total_steps=10, warmup_steps=50, decay_ratio=None, decay_type="cosine",
+                           min_lr_factor=0.1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "lr_scheduler.warmup_steps = 50 is longer than the run (training.steps = 10): the lr ramps up for the whole "
+        "run and ends at 20% of optimizer.lr (10/51); lower warmup_steps to reach the peak"]
