@@ -3,9 +3,10 @@
     python -m harness.convert <dump_folder>/checkpoint/step-N <hf_out_dir> [--dtype bfloat16] [--max-shard-gib 5]
 
 Reads the model weights only (never the optimizer state), one tensor at a time, and writes each to its output
-shard as it comes: memory stays at a few times the largest tensor (DCP reads a tensor's bytes, then builds it),
-whatever the shard size (5 GiB by default). The model's config.json and the tokenizer files come from the step's hf/ folder,
-which the trainer writes beside every checkpoint. The output is the end-of-run export's layout and bytes:
+shard as it comes: memory stays at a few times the largest tensor (DCP reads a tensor's bytes, then builds it; an
+MTP layer's two fused expert tensors are held together while the per-expert tensors cut from them are written),
+whatever the shard size (5 GiB by default). The model's config.json and the tokenizer files come from the step's hf/
+folder, which the trainer writes beside every checkpoint. The output is the end-of-run export's layout and bytes:
 the same shard plan, names, dtypes (A_log, dt_bias and the GDN norm in F32) and metadata.
 
 Only a complete step is converted (one with the COMPLETE the trainer writes last), and its files are first checked
@@ -33,10 +34,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
-from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
 from .checkpoint.checkpointer import CheckpointError, model_tensors, step_folders
-from .checkpoint.hf_weights import check_hf_export_folder, write_hf_folder
+from .checkpoint.hf_weights import ExportTensors, check_hf_export_folder, write_hf_folder
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -64,26 +64,24 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     adapter = Qwen35MoeStateDictAdapter(args)
 
     saved = model_tensors(FileSystemReader(str(step_dir)).read_metadata())
-    native_of = {adapter.to_hf_key(k): k for k in saved if adapter.to_hf_key(k) is not None}
-    specs = {h: (hf_export_dtype(h, export_dtype), tuple(saved[k].size)) for h, k in native_of.items()}
 
-    def fetch(keys: list[str], keep: bool):
-        for h in keys:  # one tensor at a time: DCP reads only it (never the optimizer state)
-            md = saved[native_of[h]]
-            wanted = {f"model.{native_of[h]}": torch.empty(tuple(md.size), dtype=md.properties.dtype)}
-            try:
-                dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
-            except (Exception, CheckpointException) as e:  # an unverified (old) step's damage; DCP's wrapper is a
-                cause = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e  # BaseException
-                raise ConvertError(f"cannot read {native_of[h]} from {step_dir}: {str(cause).strip().splitlines()[0]}")
-            yield h, wanted.popitem()[1].to(specs[h][0])
+    def read(key: str) -> torch.Tensor:  # one native tensor: DCP reads only it (never the optimizer state)
+        wanted = {f"model.{key}": torch.empty(tuple(saved[key].size), dtype=saved[key].properties.dtype)}
+        try:
+            dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
+        except (Exception, CheckpointException) as e:  # an unverified (old) step's damage; DCP's wrapper is a
+            cause = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e  # BaseException
+            raise ConvertError(f"cannot read {key} from {step_dir}: {str(cause).strip().splitlines()[0]}")
+        return wanted.popitem()[1]
+
+    tensors = ExportTensors(adapter, {k: tuple(md.size) for k, md in saved.items()}, export_dtype, read)
 
     def extra_files(tmp: Path) -> None:  # tokenizer and generation config, as the run exported them
         for path in meta_dir.iterdir():
             if path.name != "config.json":
                 (shutil.copytree if path.is_dir() else shutil.copy2)(path, tmp / path.name)
 
-    write_hf_folder(out_dir, args, export_dtype, specs, fetch, extra_files,
+    write_hf_folder(out_dir, args, export_dtype, tensors.specs, tensors.fetch, extra_files,
                     max_shard_bytes=int(max_shard_gib * 1024**3), source=step_dir)
     return Path(out_dir)
 

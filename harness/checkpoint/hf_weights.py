@@ -6,10 +6,12 @@
   whatever the checkpoint's size or the number of ranks.
 - `export_hf` / `write_hf_folder`: the official sharded layout (model-0000i-of-0000n.safetensors + index,
   shards of at most 5 GiB planned from names and sizes alone). Shard i is written by rank i % W: for each of
-  its tensors every rank takes part in gathering the full tensor, the owner keeps it until its shard is
-  written. Peak host memory per rank: about one shard. Rank 0 then writes config.json, generation_config.json
-  and the tokenizer, the index last, and renames the folder into place. The offline converter
-  (harness/convert.py) writes through the same function from a DCP checkpoint, so both give the same files.
+  its tensors every rank takes part in gathering the full native tensor (once, however many HF tensors are cut
+  from it: `ExportTensors`), the owner streams it into the file. Peak memory per rank: beside the model, at most
+  two gathered tensors (an MTP layer's experts) on the device, one HF tensor on the host. Rank 0 then writes
+  config.json, generation_config.json and the tokenizer, the index last, and renames the folder into place. The
+  offline converter (harness/convert.py) writes through the same functions from a DCP checkpoint, so both give the
+  same files.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -168,21 +171,58 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
     With `tokenizer` (the one the run trained with), the folder also holds its tokenizer files, config.json
     and generation_config.json carry its BOS / EOS ids, so `AutoTokenizer` and `generate` work on it as it is."""
     started = time.perf_counter()
-    adapter = Qwen35MoeStateDictAdapter(args)
     state = {canonical_name(k): v for k, v in model.state_dict().items()}
-    native_of = {adapter.to_hf_key(k): k for k in state if adapter.to_hf_key(k) is not None}
-    specs = {h: (hf_export_dtype(h, dtype), tuple(state[k].shape)) for h, k in native_of.items()}
 
-    def fetch(keys: list[str], keep: bool):
-        for hf_key in keys:
-            tensor = state[native_of[hf_key]]
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
-            yield hf_key, full.detach().to("cpu", hf_export_dtype(hf_key, dtype)) if keep else None
+    def gathered(key: str) -> torch.Tensor:
+        tensor = state[key]
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
 
+    tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), {k: tuple(v.shape) for k, v in state.items()}, dtype,
+                            gathered)
     args, extra_files = with_tokenizer(args, tokenizer)
-    write_hf_folder(folder, args, dtype, specs, fetch, extra_files, max_shard_bytes)
+    write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes)
     logger.info("exported Hugging Face checkpoint to %s in %.1f s", os.path.abspath(folder),
                 time.perf_counter() - started)
+
+
+class ExportTensors:
+    """An export's HF tensors, made from native tensors read one at a time: `specs` (export dtype and shape of every
+    HF key) and `fetch` for `write_hf_folder`.
+
+    `read(native_key)` gives a native tensor whole: under FSDP its full_tensor(), a collective every rank joins;
+    in the converter, its bytes read from the checkpoint. It is called once per native tensor, when the first HF key
+    cut from it is fetched: every rank fetches every key in the same order, so the collectives line up. The tensor
+    is held until the last of its HF keys is fetched. Only an MTP layer's fused experts feed several keys, whose
+    sorted names interleave (`experts.0.down_proj`, `experts.0.gate_proj`, `experts.0.up_proj`, `experts.1...`): so
+    at most two native tensors are held at once, that layer's gate_up_proj and down_proj, 3 * E * I * D values
+    (1.5 times the largest tensor, a main layer's gate_up_proj); on the device that gathered them in the end-of-run
+    export, on the host in the converter. The shard's owner holds one HF tensor more, in the export dtype, on the
+    host, until it is in the file."""
+
+    def __init__(self, adapter: Qwen35MoeStateDictAdapter, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                 read: Callable[[str], torch.Tensor]):
+        self._adapter, self._read = adapter, read
+        self.native_of: dict[str, str] = {}
+        self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for key, shape in shapes.items():
+            for hf_key, hf_shape in adapter.to_hf_shapes(key, shape).items():
+                self.native_of[hf_key] = key
+                self.specs[hf_key] = (hf_export_dtype(hf_key, dtype), hf_shape)
+        self._left = Counter(self.native_of.values())  # per native tensor: its HF keys not fetched yet
+        self._held: dict[str, torch.Tensor] = {}
+
+    def fetch(self, keys: list[str], keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for hf_key in keys:
+            key = self.native_of[hf_key]
+            if key not in self._held:
+                self._held[key] = self._read(key)
+            native = self._held[key]
+            self._left[key] -= 1
+            if self._left[key] == 0:
+                del self._held[key]
+            hf = self._adapter.to_hf_tensor(hf_key, native).detach().to("cpu", self.specs[hf_key][0]) if keep else None
+            del native  # not held past its last key while the shard is written
+            yield hf_key, hf
 
 
 def with_tokenizer(args: Qwen35MoeArgs, tokenizer) -> tuple[Qwen35MoeArgs, Callable[[Path], None] | None]:

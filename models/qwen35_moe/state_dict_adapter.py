@@ -21,12 +21,18 @@ HF -> native (`from_hf`), accepting both the text-only and the multimodal layout
   one native tensor from those. A loader can so read and convert one tensor at a time; `from_hf` is both on
   a whole in-memory state dict.
 
-native -> HF (`to_hf`), always the text-only CausalLM layout with fused experts:
+native -> HF (`to_hf`), always the text-only CausalLM layout, the release's names otherwise:
   1. `_fp32_params.` holder stripped; A_log / dt_bias emitted in fp32.
   2. `model.` prefix added to everything but `lm_head.weight` (dropped when embeddings are tied) and `mtp.*`
      (top level, its official place).
+  3. experts: the main layers' stay fused (`mlp.experts.gate_up_proj` (E, 2I, D), `down_proj` (E, D, I)), as the
+     release and transformers' Qwen3_5MoeForCausalLM hold them; the MTP layers' are split per expert, as the release
+     stores them: `mtp.layers.N.mlp.experts.{e}.gate_proj.weight` = gate_up_proj[e, :I], `up_proj` = [e, I:]
+     ((I, D) each), `down_proj` = down_proj[e] ((D, I)).
   Dtypes are otherwise kept; `hf_export_dtype` gives the dtype each key is written in on export (`mtp.*` as the
-  main layers' tensors of the same kind). `to_hf_key` is the renaming for one key.
+  main layers' tensors of the same kind). One native tensor at a time: `to_hf_shapes` names the HF keys (and
+  their shapes) it is exported as, `to_hf_tensor` cuts one of them out of it; `to_hf_key` is the renaming of a
+  one-to-one key.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from .fp32_contract import (
 logger = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MTP_FUSED_EXPERTS = re.compile(r"^(mtp\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _SKIPPED_PREFIXES = ("model.visual.", "visual.")
 _MTP = "mtp."
 _LM_HEAD = "lm_head.weight"
@@ -93,16 +100,41 @@ class Qwen35MoeStateDictAdapter:
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         hf = {}
         for key, value in state_dict.items():
-            hf_key = self.to_hf_key(key)
-            if hf_key is None:
-                continue
-            if is_gated_delta_net_fp32_param_key(hf_key) and value.dtype != torch.float32:
-                value = value.to(torch.float32)
-            hf[hf_key] = value
+            for hf_key in self.to_hf_shapes(key, tuple(value.shape)):
+                hf[hf_key] = self.to_hf_tensor(hf_key, value)
         return hf
 
+    def to_hf_shapes(self, key: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The HF keys a native tensor of this shape is exported as, with their shapes: one for most, 2E (gate and
+        up per expert) or E (down per expert) for an MTP layer's fused experts, none for a tied lm_head."""
+        m = _MTP_FUSED_EXPERTS.match(key)
+        if m is None:
+            hf_key = self.to_hf_key(key)
+            return {} if hf_key is None else {hf_key: tuple(shape)}
+        base, fused = m.groups()
+        experts, rows, cols = shape
+        if fused == "gate_up_proj":  # (E, 2I, D)
+            return {f"{base}.{e}.{part}.weight": (rows // 2, cols)
+                    for e in range(experts) for part in ("gate_proj", "up_proj")}
+        return {f"{base}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}  # (E, D, I)
+
+    def to_hf_tensor(self, hf_key: str, native: Any) -> Any:
+        """The HF tensor `hf_key` out of the native tensor it is exported from (`to_hf_shapes`): one expert's slice
+        (a view) of an MTP layer's fused experts, the SSM gate in fp32, otherwise the tensor itself."""
+        m = _PER_EXPERT.match(hf_key)
+        if m is not None:
+            expert, proj = int(m.group(2)), m.group(3)
+            if proj == "down_proj":
+                return native[expert]
+            half = native.shape[1] // 2
+            return native[expert, :half] if proj == "gate_proj" else native[expert, half:]
+        if is_gated_delta_net_fp32_param_key(hf_key) and native.dtype != torch.float32:
+            return native.to(torch.float32)
+        return native
+
     def to_hf_key(self, key: str) -> str | None:
-        """The HF key a native key is exported under (None: a tied lm_head, not written)."""
+        """The HF key a one-to-one native key is exported under (None: a tied lm_head, not written); an MTP layer's
+        fused experts are exported under several (`to_hf_shapes`)."""
         if key == _LM_HEAD:
             return None if self.args.tie_word_embeddings else key
         if key.startswith(_MTP):

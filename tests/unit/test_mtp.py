@@ -185,7 +185,8 @@ def test_mtp_norms_start_at_identity_and_fc_is_random():
 # ---- checkpoint names, dtypes, config ----
 
 def _official_text_only(model) -> dict:
-    """The model's HF tensors in the official dtypes (bf16 but the fp32 GDN tensors), experts fused."""
+    """The model's HF tensors in the official dtypes (bf16 but the fp32 GDN tensors), main experts fused, the MTP
+    layer's per expert (the release's layout)."""
     return official_dtypes(Qwen35MoeStateDictAdapter(ARGS).to_hf(model.state_dict()))
 
 
@@ -196,20 +197,44 @@ def _multimodal(hf: dict) -> dict:
     return out
 
 
+def _mtp_experts_fused(hf: dict) -> dict:
+    """The MTP layer's experts fused, as later releases (Qwen3.6) store them."""
+    base = "mtp.layers.0.mlp.experts."
+    out = {k: v for k, v in hf.items() if not k.startswith(base)}
+    experts = range(ARGS.num_experts)
+    out[base + "gate_up_proj"] = torch.stack([torch.cat((hf[f"{base}{e}.gate_proj.weight"],
+                                                         hf[f"{base}{e}.up_proj.weight"])) for e in experts])
+    out[base + "down_proj"] = torch.stack([hf[f"{base}{e}.down_proj.weight"] for e in experts])
+    return out
+
+
 def test_mtp_keys_are_exported_under_their_official_names_and_dtypes():
-    hf = _official_text_only(initialized_model(ARGS))
+    """As the release: mtp.* at the top level, the MTP layer's experts per expert (gate and up the two halves of the
+    native gate_up_proj, down its down_proj), every tensor in the export dtype."""
+    model = initialized_model(ARGS)
+    hf = _official_text_only(model)
     mtp = sorted(k for k in hf if k.startswith("mtp."))
-    assert "mtp.fc.weight" in mtp and "mtp.norm.weight" in mtp and "mtp.layers.0.mlp.experts.gate_up_proj" in mtp
+    assert "mtp.fc.weight" in mtp and "mtp.norm.weight" in mtp
     assert {"mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"} <= set(mtp)
     assert not any(k.startswith("model.mtp") for k in hf)
+    assert not {"mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"} & set(hf)
     assert all(hf[k].dtype == torch.bfloat16 for k in mtp)
+    gate_up, down = (model.state_dict()[f"mtp.layers.0.mlp.experts.{n}"].bfloat16()
+                     for n in ("gate_up_proj", "down_proj"))
+    inter = ARGS.moe_intermediate_size
+    for e in range(ARGS.num_experts):
+        expert = f"mtp.layers.0.mlp.experts.{e}."
+        assert torch.equal(hf[expert + "gate_proj.weight"], gate_up[e, :inter])
+        assert torch.equal(hf[expert + "up_proj.weight"], gate_up[e, inter:])
+        assert torch.equal(hf[expert + "down_proj.weight"], down[e])
+    assert len([k for k in mtp if k.startswith("mtp.layers.0.mlp.experts.")]) == 3 * ARGS.num_experts
 
 
-@pytest.mark.parametrize("layout", ["fused", "per_expert", "multimodal_per_expert"])
+@pytest.mark.parametrize("layout", ["release", "mtp_fused", "per_expert", "multimodal_per_expert"])
 def test_official_layouts_with_mtp_round_trip_tensor_for_tensor(layout):
     adapter = Qwen35MoeStateDictAdapter(ARGS)
     official = _official_text_only(_perturbed_model(dtype=torch.float32))
-    source = {"fused": official, "per_expert": per_expert(official),
+    source = {"release": official, "mtp_fused": _mtp_experts_fused(official), "per_expert": per_expert(official),
               "multimodal_per_expert": _multimodal(per_expert(official))}[layout]
     back = adapter.to_hf(adapter.from_hf(source))
     assert back.keys() == official.keys()
