@@ -17,8 +17,8 @@ and the end token are targets; headers, system, user and tool-response turns are
 first character lies in such a span. "all": every token of the rendered conversation is a target.
 
 Checks, each conversation: the structure above (a row that breaks it, has no assistant turn, spells a ChatML marker
-in its text, or that the template refuses, is left out: `Skipped` with the reason, counted by the cache build and
-reported in one line naming the first); the rendered text has as many assistant turns as the row has assistant
+in its text, that the template refuses, or whose rendering holds a lone surrogate, is left out: `Skipped` with the
+reason, counted by the cache build and reported in one line naming the first); the rendered text has as many assistant turns as the row has assistant
 messages. Every CHECK_EVERY-th conversation of a work unit (the first included) is also rendered and tokenized again
 by `apply_chat_template(..., tokenize=True)`, and its ids must be ours: the encoder names every row that differs
 (where, and the first differing token) in one DataError once the rank has read its units. Rendering and tokenizing
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
-from .sources import Row, Skipped
+from .sources import Row, Skipped, lone_surrogate_problem
 
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
 ASSISTANT_HEADER = f"{TURN_START}assistant\n"
@@ -244,6 +244,9 @@ class ChatEncoder:
         except Exception as e:  # the template's raise_exception, a jinja error, a value it cannot print
             message = (str(e).strip().splitlines() or [type(e).__name__])[0]
             return Skipped(row.locate, f"the chat template refused it ({message})")
+        problem = lone_surrogate_problem(text)  # from any field the template rendered: tokenizers refuse it
+        if problem:
+            return Skipped(row.locate, problem)
         encoding = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(encoding["input_ids"])
         if self.options.targets == "all":

@@ -242,12 +242,28 @@ def _check_state_keys(sd: dict, types: dict[str, type]) -> None:
                             f"it was saved by another version or is damaged")
 
 
+class _PassTally:
+    """A stream's rows kept and left out in one pass over its documents: a whole pass (read from its first row)
+    that kept none is an error, where reading on would only pass over the same rows again and again."""
+
+    def __init__(self, whole: bool):
+        self.whole, self.kept, self.first_left_out = whole, 0, None
+
+    def left_out(self, where: str) -> None:
+        self.first_left_out = self.first_left_out or where
+
+
+def _skipped_where(skipped: Skipped) -> str:
+    return f"{skipped.locate()}: {skipped.reason or 'a null text field'}"
+
+
 class StreamPacker:
     """Packs the documents of one DP rank into rows as they come (hf streams); plain and exactly resumable.
 
     `documents` opens a fresh pass over this rank's documents each time it is called: once per epoch, and again
     after `load_state_dict`. With infinite=True an exhausted source starts a new epoch (the token stream carries
     on across the epoch boundary); otherwise `next_batch` raises StopIteration, dropping the last partial batch.
+    A whole pass that keeps no document (every row null or damaged) is a DataError naming the first.
     """
 
     def __init__(self, documents: Callable[[], Iterable[str]], tokenizer, seq_len: int, batch_size: int,
@@ -261,7 +277,8 @@ class StreamPacker:
         self._tokens: list[int] = []  # stream not yet emitted; _tokens[0] is the next row's first input
         self._starts: list[bool] = []  # per token of _tokens: does a document start there?
         self._docs: Iterator[str | Skipped] | None = None  # this rank's documents from doc_index on; None = reopen
-        self.skipped = 0  # rows without text (null) left out by this packer; reported at 1, 10, 100, ...
+        self.skipped = 0  # rows left out by this packer (null text, damaged); reported at 1, 10, 100, ...
+        self._pass = _PassTally(whole=False)  # the rows kept and left out in the pass being read
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         return _stack([self._next_row() for _ in range(self.batch_size)])  # StopIteration ends a finite packer
@@ -278,18 +295,22 @@ class StreamPacker:
     def _append_document(self, text: str | Skipped) -> None:
         if isinstance(text, Skipped):
             self.skipped += 1
-            _report_left_out(self.skipped, self.dp_rank, "rows with a null text field", text.locate())
+            where = _skipped_where(text)
+            self._pass.left_out(where)
+            _report_left_out(self.skipped, self.dp_rank, "rows with a null text field, or damaged,", where)
             return
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
         ids = ([bos] if bos is not None else []) + self.tokenizer.encode(text) + ([eos] if eos is not None else [])
         if ids:  # an empty document without specials leaves no trace in the stream
             self._tokens += ids
             self._starts += [True] + [False] * (len(ids) - 1)
+            self._pass.kept += 1
 
     def _next_document(self) -> str | Skipped:
         while True:
             if self._docs is None:  # skip without tokenising: resume costs one read of the skipped documents
                 self._docs = itertools.islice(iter(self.documents()), self.doc_index, None)
+                self._pass = _PassTally(whole=self.doc_index == 0)
             doc = next(self._docs, _END)
             if doc is not _END:
                 self.doc_index += 1
@@ -297,6 +318,10 @@ class StreamPacker:
             if self.doc_index == 0:
                 raise DataError(f"data-parallel rank {self.dp_rank} of {self.dp_world_size} got no documents: "
                                 f"the dataset has fewer documents (or shards) than data-parallel ranks")
+            if self._pass.whole and self._pass.kept == 0:  # another pass would leave them all out again
+                raise DataError(f"dp rank {self.dp_rank} of {self.dp_world_size} left out all {self.doc_index} rows of "
+                                f"its shard of the dataset (the first: {self._pass.first_left_out}): nothing to "
+                                f"train on")
             if not self.infinite:
                 raise StopIteration
             self.epoch, self.doc_index, self._docs = self.epoch + 1, 0, None
@@ -416,15 +441,20 @@ class ChatStreamPacker(StreamPacker):
             self.encoder.finish()  # ids that differ from apply_chat_template's stop the stream at once
             if isinstance(encoded, Skipped):
                 self.skipped += 1
-                _report_left_out(self.skipped, self.dp_rank, "conversations that cannot be trained on",
-                                 f"{encoded.locate()}: {encoded.reason}")
+                where = _skipped_where(encoded)
+                self._pass.left_out(where)
+                _report_left_out(self.skipped, self.dp_rank, "conversations that cannot be trained on", where)
                 continue
             ids, flags = encoded
+            if len(ids) <= R or self.overlong == "truncate":
+                self._pass.kept += 1
             if len(ids) <= R:
                 return ids, flags
             if self.overlong == "truncate":
                 self.truncated += 1
                 return ids[:R], flags[:R]
+            self._pass.left_out(f"{row.locate()}: {len(ids)} tokens, longer than seq_len + 1 = {R} "
+                                f"(training.chat_overlong = 'drop')")
             self.dropped += 1
             if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
                 logger.warning(f"data: dp rank {self.dp_rank} dropped {self.dropped} conversations longer than "

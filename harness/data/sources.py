@@ -15,8 +15,10 @@ Kinds:
 Bad input is a DataError naming the file and line (or byte offset, row, field) at fault: a line that is not JSON,
 bytes that are not UTF-8, a NUL byte (a binary file), a row without the text field or with a non-string one, a
 parquet file that parquet cannot read, a folder without files of the kind. A corrupted file is named, never
-trained on. The one row that is left out instead is a row whose text is null (JSON null, a parquet null): the
-reader yields `Skipped` for it, which the cache build and the stream packer count and report in one line.
+trained on. Left out instead, as `Skipped` (counted and reported in one line by the cache build and the stream
+packer): a row whose text is null (JSON null, a parquet null), and a damaged row that is valid JSON yet cannot be
+used: JSON nested deeper than Python reads, an integer longer than Python converts, or text holding a lone surrogate
+(a \ud800 escape, which no tokenizer encodes).
 Whole records (`rows=True`) are fatal only where the file is damaged or `field` is missing; what the record holds
 is judged by its renderer (harness/data/chat.py). Packing the documents into rows is harness/data/loader.py's job.
 """
@@ -27,6 +29,7 @@ import functools
 import importlib
 import itertools
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -40,12 +43,25 @@ _BINARY_HINT = "; is it a binary or compressed file? Datasets are read as plain 
 
 
 class Skipped(NamedTuple):
-    """A row left out of the token stream, counted: its text is null, or (`reason`) a conversation that cannot be
-    trained on. `locate()` says where (file:line, row); it is called for the first skipped row only, as finding a
-    line number reads the file up to it."""
+    """A row left out of the token stream, counted: its text is null, or (`reason`) a damaged row or a conversation
+    that cannot be trained on. `locate()` says where (file:line, row); it is called for the first skipped row only,
+    as finding a line number reads the file up to it."""
 
     locate: Callable[[], str]
     reason: str | None = None  # None: a null text field
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_problem(text: str) -> str | None:
+    """Why `text` cannot be tokenized, or None: a lone surrogate, which only a JSON \\u escape (or a Python
+    object) can hold, never UTF-8 text; tokenizers refuse it."""
+    if text.isascii():
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else (f"its text holds the lone surrogate \\u{ord(found.group()):04x} (character "
+                                       f"{found.start()}), which is not Unicode text: a damaged \\u escape?")
 
 
 class Row(NamedTuple):
@@ -159,9 +175,9 @@ def _text_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
             yield "".join(lines).rstrip("\n")
 
 
-def _jsonl_objects(unit: WorkUnit, holding: str) -> Iterator[tuple[dict, Callable[[], str]]]:
-    """Every JSON object starting in the unit, with its locator; a line that is not a JSON object (one `holding`
-    what the reader wants) is fatal."""
+def _jsonl_objects(unit: WorkUnit, holding: str) -> Iterator[tuple[dict, Callable[[], str]] | Skipped]:
+    """Every JSON object starting in the unit, with its locator, or Skipped for a damaged one; a line that is not a
+    JSON object (one `holding` what the reader wants) is fatal."""
     with open(unit.file, "rb") as f:
         for offset, raw in _lines_from(f, _first_line_start(f, unit.start)):
             if offset >= unit.stop:
@@ -169,30 +185,45 @@ def _jsonl_objects(unit: WorkUnit, holding: str) -> Iterator[tuple[dict, Callabl
             for i, line in enumerate(_universal_lines(_decode(raw, unit.file, offset))):
                 if _is_blank(line):
                     continue
+                locate = functools.partial(_where, unit.file, offset, i)
                 try:
                     row = json.loads(line.rstrip("\n"))  # a line cut inside a string: "unterminated", not "\n"
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{_where(unit.file, offset, i)}: not a JSON object ({e.msg.removesuffix(' at')} "
-                                    f"at column {e.pos + 1}): a damaged or cut-off line?") from None
+                    raise DataError(f"{locate()}: not a JSON object ({e.msg.removesuffix(' at')} at column "
+                                    f"{e.pos + 1}): a damaged or cut-off line?") from None
+                except RecursionError:  # valid JSON, but deeper than Python's parser recurses
+                    yield Skipped(locate, "its JSON is nested too deeply for Python to read")
+                    continue
+                except ValueError as e:  # valid JSON Python will not hold: an integer of more than 4300 digits
+                    yield Skipped(locate, f"its JSON holds a value Python does not read ({str(e).split(';')[0]})")
+                    continue
                 if not isinstance(row, dict):
-                    raise DataError(f"{_where(unit.file, offset, i)}: a JSON {_json_type(row)}, not an object "
-                                    f"holding {holding}")
-                yield row, functools.partial(_where, unit.file, offset, i)
+                    raise DataError(f"{locate()}: a JSON {_json_type(row)}, not an object holding {holding}")
+                yield row, locate
 
 
 def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]:
-    for row, locate in _jsonl_objects(unit, f"the text field {text_field!r}"):
+    for item in _jsonl_objects(unit, f"the text field {text_field!r}"):
+        if isinstance(item, Skipped):
+            yield item
+            continue
+        row, locate = item
         text = row.get(text_field)
         if text is None and text_field in row:  # an explicit null: a row without text, not a damaged one
             yield Skipped(locate)
         elif not isinstance(text, str):
             raise DataError(f"{locate()}: " + _field_problem(row, text_field))
         else:
-            yield text
+            problem = lone_surrogate_problem(text)
+            yield text if problem is None else Skipped(locate, problem)
 
 
-def _jsonl_rows(unit: WorkUnit, field: str) -> Iterator[Row]:
-    for row, locate in _jsonl_objects(unit, f"the messages field {field!r}"):
+def _jsonl_rows(unit: WorkUnit, field: str) -> Iterator[Row | Skipped]:
+    for item in _jsonl_objects(unit, f"the messages field {field!r}"):
+        if isinstance(item, Skipped):
+            yield item
+            continue
+        row, locate = item
         if field not in row:  # the wrong field named in the config, most likely: fatal, unlike a bad value in it
             raise DataError(f"{locate()}: " + _field_problem(row, field, "training.chat_messages_field"))
         yield Row(row, locate)
@@ -376,12 +407,14 @@ def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: in
     def texts() -> Iterator[str | Skipped]:
         for i, row in enumerate(ds):
             text = row.get(text_field)
+            locate = functools.partial(_hf_where, name, dp_rank, dp_world_size, i)
             if isinstance(text, str):
-                yield text
+                problem = lone_surrogate_problem(text)
+                yield text if problem is None else Skipped(locate, problem)
             elif text is None and text_field in row:
-                yield Skipped(functools.partial(_hf_where, name, dp_rank, dp_world_size, i))
+                yield Skipped(locate)
             else:
-                raise DataError(f"{_hf_where(name, dp_rank, dp_world_size, i)}: " + _field_problem(row, text_field))
+                raise DataError(f"{locate()}: " + _field_problem(row, text_field))
 
     return records() if rows else texts()
 

@@ -9,8 +9,8 @@ Layout of one cache, `<cache_dir>/<key>/`:
   meta.json       written last, human-readable: format version, key, source files (resolved path, size, mtime),
                   tokenizer, token and document counts, the size of each file, the stream's id, and what the
                   checks below compare against: the smallest and largest token id, the sha256 of each file and
-                  of a fixed sample of tokens.bin (and of targets.bin), the rows left out (null text, or malformed
-                  conversations), and a checksum of meta.json itself.
+                  of a fixed sample of tokens.bin (and of targets.bin), the rows left out (null text, damaged rows,
+                  or malformed conversations), and a checksum of meta.json itself.
 
 Key: `<kind>-v<format>-<dataset id>-<tokenizer id>` (`chat-<kind>-...` for chat data), ids hashed from the dataset
 identity (kind, text field, resolved files with their sizes and mtimes; for chat data also the messages field, the
@@ -253,7 +253,7 @@ def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_uni
     skipped = cache.meta["skipped_rows"]
     if skipped["count"] and rank == 0:
         what = ("are conversations that cannot be trained on" if cache.targets is not None
-                else "have a null text field")
+                else "have a null text field or are damaged")
         logger.warning(f"data: {skipped['count']} rows of the dataset {what} and were left out (the first: "
                        f"{skipped['first']})")
     return cache
@@ -583,7 +583,7 @@ def _no_documents(source: dict, skipped: dict) -> str:
         why = (f"all its {skipped['count']} rows are conversations that cannot be trained on (the first: "
                f"{skipped['first']})" if skipped["count"] else "its files are empty or hold only blank lines")
         return f"the chat {source.get('kind')} dataset {what} holds no conversations: {why}; nothing to train on"
-    why = (f"all its {skipped['count']} rows have a null text field (the first: {skipped['first']})"
+    why = (f"all its {skipped['count']} rows have a null text field or are damaged (the first: {skipped['first']})"
            if skipped["count"] else "its files are empty or hold only blank lines")
     return f"the {source.get('kind')} dataset {what} holds no documents: {why}; nothing to train on"
 

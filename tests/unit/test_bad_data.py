@@ -66,7 +66,7 @@ BAD_SOURCES = {  # name: (file name, bytes, kind, the error it must give)
     "empty_file": ("empty.jsonl", b"", "jsonl", r"jsonl dataset .*empty\.jsonl holds no documents"),
     "blank_lines_only": ("blank.txt", b"\n \n\t\n", "text", r"blank\.txt holds no documents: its files are empty"),
     "all_rows_null": ("null.jsonl", lines(*[json.dumps({"text": None})] * 3), "jsonl",
-                      r"holds no documents: all its 3 rows have a null text field \(the first: .*null\.jsonl:1\)"),
+                      r"holds no documents: all its 3 rows have a null text field or are damaged \(the first: .*null\.jsonl:1\)"),
 }
 
 
@@ -123,7 +123,8 @@ def test_rows_with_null_text_are_left_out_counted_and_reported_in_one_line(tmp_p
     assert cache.meta["num_documents"] == 2
     assert cache.meta["skipped_rows"] == {"count": 2, "first": f"{source}:2"}
     reports = [r.getMessage() for r in caplog.records if "null text" in r.getMessage()]
-    assert reports == [f"data: 2 rows of the dataset have a null text field and were left out (the first: {source}:2)"]
+    assert reports == [f"data: 2 rows of the dataset have a null text field or are damaged and were left out (the "
+                       f"first: {source}:2)"]
 
 
 def test_parquet_null_rows_are_counted_and_a_non_string_column_is_named(tmp_path):
