@@ -24,14 +24,15 @@ by `apply_chat_template(..., tokenize=True)`, and its ids must be ours: the enco
 (where, and the first differing token) in one DataError once the rank has read its units. Rendering and tokenizing
 take about 0.21 ms a conversation of ~200 tokens on one CPU core (the Qwen3.5 template); checking every conversation
 adds 85% to that, every 16th 5%. A template whose rendering holds no `<|im_start|>assistant\n` header is not Qwen-style (ChatML):
-its spans cannot be found, a DataError.
+its spans cannot be found, a DataError. A row larger than ChatOptions.max_row_bytes never gets here: its reader
+leaves it out unread (harness/data/sources.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,9 @@ CHECK_EVERY = 16  # every 16th conversation of a work unit is checked against ap
 TEMPLATE_FILE, TEMPLATES_FOLDER, CONFIG_FILE = "chat_template.jinja", "additional_chat_templates", "tokenizer_config.json"
 
 
+ROW_BYTES_PER_TOKEN = 16  # the default limit of a row's size: this many bytes a token of a row of seq_len + 1
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     """The training section's chat keys (harness/config.py, Training)."""
@@ -53,12 +57,18 @@ class ChatOptions:
     messages_field: str = "messages"
     targets: str = "assistant"  # "assistant" | "all"
     overlong: str = "drop"  # "drop" | "truncate": a conversation longer than seq_len + 1 tokens (chat_packing.py)
+    max_row_bytes: int = -1  # a larger row is left out unread (harness/data/sources.py); -1: see row_byte_limit
+
+    def for_rows_of(self, seq_len: int) -> ChatOptions:
+        """These options with the row limit resolved for rows of seq_len + 1 tokens."""
+        limit = self.max_row_bytes if self.max_row_bytes > 0 else ROW_BYTES_PER_TOKEN * (seq_len + 1)
+        return replace(self, max_row_bytes=limit)
 
 
 def chat_options(cfg) -> ChatOptions:
     """The chat keys of a run's training section (harness/config.py, Training); validation reads its set with them."""
     t = cfg.training
-    return ChatOptions(t.chat_messages_field, t.chat_targets, t.chat_overlong)
+    return ChatOptions(t.chat_messages_field, t.chat_targets, t.chat_overlong, t.chat_max_row_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,6 +123,7 @@ def chat_identity(tokenizer_path: str, options: ChatOptions) -> dict:
 
     templates = json.dumps(chat_template_sources(tokenizer_path), sort_keys=True)
     return {"format": "chat", "messages_field": options.messages_field, "chat_targets": options.targets,
+            "max_row_bytes": options.max_row_bytes,  # which rows are left out unread
             "chat_template_sha256": hashlib.sha256(templates.encode()).hexdigest(),
             "renderer": {"transformers": transformers.__version__, "jinja2": jinja2.__version__}}
 

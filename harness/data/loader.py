@@ -63,7 +63,7 @@ from .chat_packing import cache_layout, chat_window, layout_summary, pad_id_of
 from .errors import DataError
 from .sources import (SOURCE_SUFFIXES, Row, Skipped, check_source, hf_documents, read_unit, source_files,
                       source_units)
-from .token_cache import TokenCache, Verify
+from .token_cache import TextEncoder, TokenCache, Verify
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir
     source, units = token_cache.on_every_rank(list_units, f"listing the {kind} files of {path}")
     read = functools.partial(read_unit, kind, text_field=text_field)
     if chat:
-        read = functools.partial(read, rows=True)
+        read = functools.partial(read, rows=True, max_row_bytes=chat.max_row_bytes)
     return token_cache.load_or_build(cache_dir, source, units, read, tokenizer, verify, encoder)
 
 
@@ -270,6 +270,7 @@ class StreamPacker:
                  dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True):
         _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
         self.documents, self.tokenizer = documents, tokenizer
+        self.encoder = TextEncoder(tokenizer) if tokenizer is not None else None  # chat: ChatStreamPacker's own
         self.seq_len, self.batch_size = seq_len, batch_size
         self.dp_rank, self.dp_world_size, self.infinite = dp_rank, dp_world_size, infinite
         self.epoch = 0
@@ -299,8 +300,8 @@ class StreamPacker:
             self._pass.left_out(where)
             _report_left_out(self.skipped, self.dp_rank, "rows with a null text field, or damaged,", where)
             return
-        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
-        ids = ([bos] if bos is not None else []) + self.tokenizer.encode(text) + ([eos] if eos is not None else [])
+        ids, _ = self.encoder(text)
+        ids = ids if isinstance(ids, list) else ids.tolist()  # a long document comes in an array
         if ids:  # an empty document without specials leaves no trace in the stream
             self._tokens += ids
             self._starts += [True] + [False] * (len(ids) - 1)
@@ -606,9 +607,11 @@ def _build_chat_loader(kind: str, path: str, tokenizer, seq_len: int, batch_size
     if kind == "text":
         raise DataError("chat data is read from jsonl, parquet or hf datasets (rows holding a list of messages), "
                         "not from text files; set training.dataset accordingly")
+    chat = chat.for_rows_of(seq_len)  # the row limit that applies
     encoder = ChatEncoder(tokenizer, chat)  # a DataError when the tokenizer has no chat template
     if kind == "hf":
-        documents = functools.partial(hf_documents, path, chat.messages_field, dp_rank, dp_world_size, rows=True)
+        documents = functools.partial(hf_documents, path, chat.messages_field, dp_rank, dp_world_size, rows=True,
+                                      max_row_bytes=chat.max_row_bytes)
         return PrefetchingLoader(ChatStreamPacker(documents, encoder, seq_len, batch_size, dp_rank, dp_world_size,
                                                   infinite, chat.overlong, pad_id_of(tokenizer)))
     if cache_dir is None:

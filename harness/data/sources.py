@@ -6,6 +6,7 @@
     read_unit(kind, unit, text_field)           the documents that start in one unit
     read_unit(kind, unit, field, rows=True)     the whole records that start in one unit, as `Row`s (chat data:
                                                 `field` holds the messages; harness/data/chat.py renders them)
+                                                and, with max_row_bytes, Skipped for a larger record, unread
 
 Kinds:
   text     a .txt file or a folder of them (recursive, sorted); documents are separated by blank lines
@@ -18,7 +19,9 @@ parquet file that parquet cannot read, a folder without files of the kind. A cor
 trained on. Left out instead, as `Skipped` (counted and reported in one line by the cache build and the stream
 packer): a row whose text is null (JSON null, a parquet null), and a damaged row that is valid JSON yet cannot be
 used: JSON nested deeper than Python reads, an integer longer than Python converts, or text holding a lone surrogate
-(a \ud800 escape, which no tokenizer encodes).
+(a \ud800 escape, which no tokenizer encodes). Whole records larger than `max_row_bytes` (a jsonl line's bytes, or
+the UTF-8 bytes of a parquet or Hugging Face record's strings) are left out the same way before they are decoded or
+parsed: a conversation far longer than a row costs seconds and gigabytes to render, only to be dropped or cut.
 Whole records (`rows=True`) are fatal only where the file is damaged or `field` is missing; what the record holds
 is judged by its renderer (harness/data/chat.py). Packing the documents into rows is harness/data/loader.py's job.
 """
@@ -40,6 +43,7 @@ SOURCE_SUFFIXES = {"text": ".txt", "jsonl": ".jsonl", "parquet": ".parquet"}
 CHAT_ROW_COLUMNS = ("tools",)  # parquet columns read beside the messages of a chat row
 SOURCE_KINDS = (*SOURCE_SUFFIXES, "hf")
 _BINARY_HINT = "; is it a binary or compressed file? Datasets are read as plain UTF-8 text"
+_BLOCK_BYTES = 1 << 20  # what a line longer than a row limit is read in, passed over
 
 
 class Skipped(NamedTuple):
@@ -135,13 +139,17 @@ def source_units(kind: str, files: list[Path], unit_bytes: int | None = None) ->
     return units
 
 
-def read_unit(kind: str, unit: WorkUnit, text_field: str = "text", rows: bool = False) -> Iterator[str | Skipped | Row]:
+def read_unit(kind: str, unit: WorkUnit, text_field: str = "text", rows: bool = False,
+              max_row_bytes: int | None = None) -> Iterator[str | Skipped | Row]:
     """The documents that start in `unit`: the `text_field` strings, or with `rows` the whole records holding
-    `text_field` (jsonl and parquet only)."""
+    `text_field` (jsonl and parquet only), those larger than `max_row_bytes` Skipped unread."""
     if rows and kind not in ("jsonl", "parquet"):
         raise DataError(f"a {kind} dataset has no records; chat data is read from jsonl, parquet or hf datasets")
     readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
-    reader = {"jsonl": _jsonl_rows, "parquet": _parquet_rows}[kind] if rows else readers[kind]
+    if rows:
+        reader = functools.partial({"jsonl": _jsonl_rows, "parquet": _parquet_rows}[kind], max_row_bytes=max_row_bytes)
+    else:
+        reader = readers[kind]
     try:
         yield from reader(unit, text_field)
     except OSError as e:  # unreadable (permissions, an I/O error): bad input too, named
@@ -175,13 +183,19 @@ def _text_documents(unit: WorkUnit, text_field: str) -> Iterator[str]:
             yield "".join(lines).rstrip("\n")
 
 
-def _jsonl_objects(unit: WorkUnit, holding: str) -> Iterator[tuple[dict, Callable[[], str]] | Skipped]:
-    """Every JSON object starting in the unit, with its locator, or Skipped for a damaged one; a line that is not a
-    JSON object (one `holding` what the reader wants) is fatal."""
+def _jsonl_objects(unit: WorkUnit, holding: str,
+                   max_line_bytes: int | None = None) -> Iterator[tuple[dict, Callable[[], str]] | Skipped]:
+    """Every JSON object starting in the unit, with its locator, or Skipped for a damaged one or (unread) one whose
+    line has more than `max_line_bytes` bytes; a line that is not a JSON object (one `holding` what the reader
+    wants) is fatal."""
     with open(unit.file, "rb") as f:
-        for offset, raw in _lines_from(f, _first_line_start(f, unit.start)):
+        for offset, raw in _lines_from(f, _first_line_start(f, unit.start), max_line_bytes):
             if offset >= unit.stop:
                 return
+            if max_line_bytes is not None and len(raw.rstrip(b"\n")) > max_line_bytes:
+                yield Skipped(functools.partial(_where, unit.file, offset, 0),
+                              f"its line has more than {max_line_bytes} bytes {_ROW_LIMIT}")
+                continue
             for i, line in enumerate(_universal_lines(_decode(raw, unit.file, offset))):
                 if _is_blank(line):
                     continue
@@ -218,8 +232,8 @@ def _jsonl_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skipped]
             yield text if problem is None else Skipped(locate, problem)
 
 
-def _jsonl_rows(unit: WorkUnit, field: str) -> Iterator[Row | Skipped]:
-    for item in _jsonl_objects(unit, f"the messages field {field!r}"):
+def _jsonl_rows(unit: WorkUnit, field: str, max_row_bytes: int | None = None) -> Iterator[Row | Skipped]:
+    for item in _jsonl_objects(unit, f"the messages field {field!r}", max_row_bytes):
         if isinstance(item, Skipped):
             yield item
             continue
@@ -266,7 +280,7 @@ def _parquet_documents(unit: WorkUnit, text_field: str) -> Iterator[str | Skippe
                         f"parquet file?") from None
 
 
-def _parquet_rows(unit: WorkUnit, field: str) -> Iterator[Row]:
+def _parquet_rows(unit: WorkUnit, field: str, max_row_bytes: int | None = None) -> Iterator[Row | Skipped]:
     """Whole parquet rows: the `field` column and, where the file has one, the `tools` column."""
     pa = _import_optional("pyarrow", "pyarrow")
     pf = _parquet_file(unit.file)
@@ -279,11 +293,43 @@ def _parquet_rows(unit: WorkUnit, field: str) -> Iterator[Row]:
     try:
         for batch in pf.iter_batches(batch_size=256, row_groups=list(range(unit.start, unit.stop)), columns=columns):
             for row in batch.to_pylist():
-                yield Row(row, functools.partial(_row_where, unit.file, first_row))
+                yield _sized_row(row, functools.partial(_row_where, unit.file, first_row), max_row_bytes)
                 first_row += 1
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{unit.file}: row groups {unit.start}-{unit.stop - 1} cannot be read ({e}); a damaged "
                         f"parquet file?") from None
+
+
+# Why a record was left out unread: the key that sets the limit, and its default.
+_ROW_LIMIT = ("(training.chat_max_row_bytes: by default 16 bytes a token of a row of seq_len + 1 tokens), far more "
+              "than a row holds; left out unread")
+
+
+def _sized_row(value: dict, locate: Callable[[], str], max_row_bytes: int | None) -> Row | Skipped:
+    """The record as a Row, or Skipped when its strings hold more than `max_row_bytes` UTF-8 bytes."""
+    if max_row_bytes is not None and _larger_than(value, max_row_bytes):
+        return Skipped(locate, f"its strings hold more than {max_row_bytes} bytes {_ROW_LIMIT}")
+    return Row(value, locate)
+
+
+def _larger_than(value, limit: int) -> bool:
+    """Whether the strings (and keys) of a record hold more than `limit` UTF-8 bytes, other values 1 byte each;
+    it stops as soon as they do, and walks without recursion (a record may be nested deep)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, (list, tuple)):
+            stack += item
+        else:
+            total += 1
+        if total > limit:
+            return True
+    return False
 
 
 def _row_where(file: Path, row: int) -> str:
@@ -308,7 +354,8 @@ def _first_line_start(f, offset: int) -> int:
     if offset == 0:
         return 0
     f.seek(offset - 1)
-    f.readline()
+    while (block := f.readline(_BLOCK_BYTES)) and not block.endswith(b"\n"):  # a line of any length, in blocks
+        pass
     return f.tell()
 
 
@@ -327,11 +374,24 @@ def _line_before(f, offset: int) -> bytes:
     return f.read(offset - start)
 
 
-def _lines_from(f, offset: int) -> Iterator[tuple[int, bytes]]:
+def _lines_from(f, offset: int, max_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of each binary line from `offset` on. With `max_bytes`, a line longer than that is yielded
+    cut to max_bytes + 2 bytes (enough to tell it is longer): the rest is passed over, never held."""
     f.seek(offset)
-    for raw in f:
+    if max_bytes is None:
+        for raw in f:
+            yield offset, raw
+            offset += len(raw)
+        return
+    while raw := f.readline(max_bytes + 2):
+        length = len(raw)
+        if length == max_bytes + 2 and not raw.endswith(b"\n"):
+            while (rest := f.readline(_BLOCK_BYTES)):
+                length += len(rest)
+                if rest.endswith(b"\n"):
+                    break
         yield offset, raw
-        offset += len(raw)
+        offset += length
 
 
 def _decode(raw: bytes, file: Path, offset: int) -> str:
@@ -382,10 +442,10 @@ def _line_number(file: Path, offset: int) -> int:
     return count + 1
 
 
-def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: int = 1,
-                 rows: bool = False) -> Iterator[str | Skipped | Row]:
+def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: int = 1, rows: bool = False,
+                 max_row_bytes: int | None = None) -> Iterator[str | Skipped | Row]:
     """The documents of one DP rank's shard of a streamed Hugging Face dataset (the whole stream for 1 rank); with
-    `rows`, its whole records (`Row`), each holding `text_field`."""
+    `rows`, its whole records (`Row`), each holding `text_field`, those larger than `max_row_bytes` Skipped."""
     datasets = _import_optional("datasets", "datasets")
     try:  # opened here, eagerly, so an unreachable hub fails with the dataset's name
         ds = datasets.load_dataset(name, split="train", streaming=True)
@@ -397,12 +457,12 @@ def hf_documents(name: str, text_field: str, dp_rank: int = 0, dp_world_size: in
         split = _import_optional("datasets.distributed", "datasets").split_dataset_by_node
         ds = split(ds, rank=dp_rank, world_size=dp_world_size)
 
-    def records() -> Iterator[Row]:
+    def records() -> Iterator[Row | Skipped]:
         for i, row in enumerate(ds):
             locate = functools.partial(_hf_where, name, dp_rank, dp_world_size, i)
             if text_field not in row:
                 raise DataError(f"{locate()}: " + _field_problem(row, text_field, "training.chat_messages_field"))
-            yield Row(row, locate)
+            yield _sized_row(row, locate, max_row_bytes)
 
     def texts() -> Iterator[str | Skipped]:
         for i, row in enumerate(ds):

@@ -65,6 +65,7 @@ from typing import Callable, Iterable, Literal, Sequence, TypeVar
 import numpy as np
 
 from .errors import DataError
+from .long_text import encode_text
 from .sources import Skipped
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,9 @@ def on_every_rank(step: Callable[[], T], what: str) -> T:
 
 class TextEncoder:
     """Text documents: [bos] + tokens + [eos], each special only when the tokenizer has one; no targets (every
-    token is one). harness/data/chat.py's ChatEncoder is the other kind: rows to ids and target flags."""
+    token is one). A long document is tokenized in pieces (harness/data/long_text.py) and its ids come as an int64
+    array, a short one's as a list. harness/data/chat.py's ChatEncoder is the other kind: rows to ids and target
+    flags."""
 
     with_targets = False
 
@@ -207,8 +210,11 @@ class TextEncoder:
         self.bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
         self.eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
-    def __call__(self, text: str) -> tuple[list[int], None]:
-        return self.bos + self.tokenizer.encode(text) + self.eos, None
+    def __call__(self, text: str) -> tuple[list[int] | np.ndarray, None]:
+        ids = encode_text(self.tokenizer, text)
+        if isinstance(ids, np.ndarray):
+            return np.concatenate([np.asarray(self.bos, dtype=np.int64), ids, np.asarray(self.eos, dtype=np.int64)]), None
+        return self.bos + ids + self.eos, None
 
     def start_unit(self) -> None:
         """Called before each work unit is read."""
@@ -475,11 +481,16 @@ def _write_part(tmp: Path, index: int, unit, documents: Iterable, tokenizer, enc
                 skipped["count"] += 1
                 continue
             ids, targets = encoded
-            if ids:  # an empty document without specials leaves no trace in the stream
-                pending += ids
-                lengths.append(len(ids))
-                if encoder.with_targets:
-                    pending_targets += targets
+            if len(ids) == 0:  # an empty document without specials leaves no trace in the stream
+                continue
+            lengths.append(len(ids))
+            if isinstance(ids, np.ndarray):  # a long text document, in pieces: written as it is, not buffered
+                _flush(out, targets_out, pending, pending_targets, tokenizer, unit)
+                out.write(_checked_ids(ids, tokenizer, unit).tobytes())
+                continue
+            pending += ids
+            if encoder.with_targets:
+                pending_targets += targets
             if len(pending) >= _FLUSH_TOKENS:
                 _flush(out, targets_out, pending, pending_targets, tokenizer, unit)
         _flush(out, targets_out, pending, pending_targets, tokenizer, unit)

@@ -55,7 +55,7 @@ def write(path: Path, *lines: str) -> Path:
 def build(source: Path, cache_dir: Path, data_format: str, tok) -> object:
     seq_len = 64 if data_format == "chat" else 16  # a row: two conversations, or a few documents
     return build_dataloader("jsonl", str(source), "text", tok, seq_len, 1, cache_dir=cache_dir, data_format=data_format,
-                            chat=ChatOptions() if data_format == "chat" else None)
+                            chat=ChatOptions(max_row_bytes=1 << 20) if data_format == "chat" else None)  # rows read
 
 
 FORMATS = {"text": (text_line, json.dumps({"text": "a good document"})),
