@@ -3,11 +3,18 @@
 A row is a record `{"messages": [{"role": ..., "content": ...}, ...], "tools": [...] (optional)}` (the messages
 field is training.chat_messages_field). Roles are system, user, assistant and tool; an assistant message may carry
 `reasoning_content` and `tool_calls`; content is a string, null, or a list of {"type": "text", "text": ...} parts.
+A tool call is {"function": {"name", "arguments"}} or {"name", "arguments"}; its arguments an object, or a string of
+a JSON object (OpenAI's format).
 
 Rendering. transformers' `apply_chat_template` renders the row (tools included) with the template transformers
 itself loads from the tokenizer folder (model.tokenizer_path: chat_template.jinja, else tokenizer_config.json's
 chat_template), on a PreTrainedTokenizerFast of that folder: tokenizer.json as written, the ids HFTokenizer gives.
-The rendered text is then tokenized with offsets, the same call `apply_chat_template(..., tokenize=True)` makes.
+The template is given the messages as the official Qwen3.5 template expects them (`template_messages`): text parts
+joined into one string, which is what that template renders for them, so a template that renders strings only gives
+the same tokens; arguments given as a JSON string parsed into the object that template iterates over (one that
+prints them with tojson would otherwise print the string quoted, a second encoding). Arguments that are not the JSON
+of an object are a malformed row. The rendered text is then tokenized with offsets, the same call
+`apply_chat_template(..., tokenize=True)` makes.
 
 Targets (training.chat_targets = "assistant"): exactly the tokens the template emits for assistant turns, found
 from the rendered text's character spans. Each assistant turn runs from the end of its header `<|im_start|>assistant\n`
@@ -18,14 +25,16 @@ first character lies in such a span. "all": every token of the rendered conversa
 
 Checks, each conversation: the structure above (a row that breaks it, has no assistant turn, spells a ChatML marker
 in its text, that the template refuses, or whose rendering holds a lone surrogate, is left out: `Skipped` with the
-reason, counted by the cache build and reported in one line naming the first); the rendered text has as many assistant turns as the row has assistant
-messages. Every CHECK_EVERY-th conversation of a work unit (the first included) is also rendered and tokenized again
-by `apply_chat_template(..., tokenize=True)`, and its ids must be ours: the encoder names every row that differs
+reason, counted by the cache build and reported in one line naming the first); the rendered text has as many
+assistant turns as the row has assistant messages, none of them empty (but its closing `<|im_end|>`) where its
+message has content or tool calls: a template that does not render them would train an empty answer. Every
+CHECK_EVERY-th conversation of a work unit (the first included) is also rendered and tokenized again by
+`apply_chat_template(..., tokenize=True)`, and its ids must be ours: the encoder names every row that differs
 (where, and the first differing token) in one DataError once the rank has read its units. Rendering and tokenizing
 take about 0.21 ms a conversation of ~200 tokens on one CPU core (the Qwen3.5 template); checking every conversation
-adds 85% to that, every 16th 5%. A template whose rendering holds no `<|im_start|>assistant\n` header is not Qwen-style (ChatML):
-its spans cannot be found, a DataError. A row larger than ChatOptions.max_row_bytes never gets here: its reader
-leaves it out unread (harness/data/sources.py).
+adds 85% to that, every 16th 5%. A template whose rendering holds no `<|im_start|>assistant\n` header is not
+Qwen-style (ChatML): its spans cannot be found, a DataError. A row larger than ChatOptions.max_row_bytes never gets
+here: its reader leaves it out unread (harness/data/sources.py).
 """
 
 from __future__ import annotations
@@ -139,9 +148,61 @@ def _json_type(value) -> str:
 
 
 def _texts(message: dict) -> list[str]:
-    parts = message.get("content")
-    texts = [part.get("text") for part in parts] if isinstance(parts, list) else [parts]
-    return [t for t in [*texts, message.get("reasoning_content")] if isinstance(t, str)]
+    content = message.get("content")
+    content = "".join(part.get("text") or "" for part in content) if isinstance(content, list) else content
+    return [t for t in [content, message.get("reasoning_content")] if isinstance(t, str)]
+
+
+def _call_function(call: dict) -> dict:
+    """What a template reads of a tool call: its "function" object, or the call itself (the templates take both)."""
+    return call["function"] if isinstance(call.get("function"), dict) else call
+
+
+def _arguments_problem(call: dict) -> str | None:
+    """Why a tool call's arguments given as a string (OpenAI's format) cannot be given to the template as the
+    object it expects, or None."""
+    arguments = _call_function(call).get("arguments")
+    if not isinstance(arguments, str):
+        return None
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError as e:
+        return f"arguments that are a string but not JSON ({e.msg} at column {e.pos + 1})"
+    except (ValueError, RecursionError):  # too deep, or an integer Python does not read
+        return "arguments that are a string of JSON Python does not read"
+    if not isinstance(parsed, dict):
+        return f"arguments that are a JSON string of {_json_type(parsed)}, not of an object"
+    return None
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as the template is given them: a content of text parts joined into one string (what the
+    official Qwen3.5 template renders for it, so a template that renders strings only gives the same tokens), and
+    tool-call arguments given as a JSON string (OpenAI's format) parsed into the object the template expects (the
+    Qwen3.5 template iterates over its items; one that prints it with tojson would print the string quoted)."""
+    given = []
+    for message in messages:
+        message = dict(message)
+        if isinstance(message.get("content"), list):
+            message["content"] = "".join(part["text"] for part in message["content"])
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
+        given.append(message)
+    return given
+
+
+def _with_parsed_arguments(call: dict) -> dict:
+    if isinstance(call.get("function"), dict):
+        function = call["function"]
+        if isinstance(function.get("arguments"), str):
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+    elif isinstance(call.get("arguments"), str):
+        return {**call, "arguments": json.loads(call["arguments"])}
+    return call
+
+
+def _has_content(message: dict) -> bool:
+    return bool(isinstance(message.get("content"), str) and message["content"].strip() or message.get("tool_calls"))
 
 
 def conversation_problem(row: dict, messages_field: str) -> str | None:
@@ -170,6 +231,9 @@ def conversation_problem(row: dict, messages_field: str) -> str | None:
         calls = message.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
             return f"{where} has tool_calls that are not a list of objects"
+        for j, call in enumerate(calls or []):
+            if problem := _arguments_problem(call):
+                return f"{where} tool_calls[{j}] has {problem}"
         for marker in (TURN_START, TURN_END):
             if any(marker in text for text in _texts(message)):  # it would open or close a turn of its own
                 return f"{where} spells the ChatML marker {marker} in its text"
@@ -249,7 +313,7 @@ class ChatEncoder:
         problem = conversation_problem(value, self.options.messages_field)
         if problem:
             return Skipped(row.locate, problem)
-        messages, tools = value[self.options.messages_field], value.get("tools")
+        messages, tools = template_messages(value[self.options.messages_field]), value.get("tools")
         try:
             text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False)
         except Exception as e:  # the template's raise_exception, a jinja error, a value it cannot print
@@ -272,11 +336,23 @@ class ChatEncoder:
             if len(spans) != wanted:
                 return Skipped(row.locate, f"the template rendered {len(spans)} assistant turns for {wanted} "
                                            f"assistant messages")
+            if problem := self._empty_turn(messages, text, spans):
+                return Skipped(row.locate, problem)
             targets = target_mask(encoding["offset_mapping"], spans)
         if self.encoded % self.check_every == 0:
             self._check(row, messages, tools, ids)
         self.encoded += 1
         return ids, targets
+
+    def _empty_turn(self, messages: list[dict], text: str, spans: list[tuple[int, int]]) -> str | None:
+        """An assistant message with content whose turn the template rendered empty (a template that renders
+        some fields only): its reply would train as an empty answer."""
+        assistant = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        for i, (start, stop) in zip(assistant, spans):
+            if _has_content(messages[i]) and not text[start:stop].removesuffix(TURN_END).strip():
+                return (f"the chat template rendered {self.options.messages_field}[{i}] (assistant) empty, though it "
+                        f"has content: the template does not render it")
+        return None
 
     def _check(self, row: Row, messages, tools, ids: list[int]) -> None:
         reference = self.tok.apply_chat_template(messages, tools=tools, tokenize=True)

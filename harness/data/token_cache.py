@@ -213,7 +213,8 @@ class TextEncoder:
     def __call__(self, text: str) -> tuple[list[int] | np.ndarray, None]:
         ids = encode_text(self.tokenizer, text)
         if isinstance(ids, np.ndarray):
-            return np.concatenate([np.asarray(self.bos, dtype=np.int64), ids, np.asarray(self.eos, dtype=np.int64)]), None
+            return np.concatenate([np.asarray(self.bos, dtype=np.int64), ids,
+                                   np.asarray(self.eos, dtype=np.int64)]), None
         return self.bos + ids + self.eos, None
 
     def start_unit(self) -> None:

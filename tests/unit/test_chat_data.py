@@ -374,3 +374,80 @@ def test_parquet_chat_rows_give_the_tokens_and_targets_of_the_same_jsonl_rows(tm
     from_jsonl = chat_loader(write_rows(tmp_path / "chats.jsonl", rows), tok, tmp_path / "cache").cache
     assert from_parquet.tokens.tolist() == from_jsonl.tokens.tolist()
     assert from_parquet.targets.tolist() == from_jsonl.targets.tolist()
+
+
+# -- what the template is given: text parts joined, tool-call arguments as objects ------------------------------------
+
+
+def debug_template_tokenizer() -> HFTokenizer:
+    """The shipped debug chat tokenizer: its template renders string content only, and tool-call arguments with
+    tojson."""
+    return HFTokenizer(str(DEBUG_CHAT / "tokenizer"))
+
+
+def with_parts(row: dict) -> dict:
+    """`row` with every string content given as text parts (cut in two, as a client may send them)."""
+    def parts(text):
+        return [{"type": "text", "text": text[: len(text) // 2]}, {"type": "text", "text": text[len(text) // 2:]}]
+    return {**row, "messages": [{**m, "content": parts(m["content"]) if isinstance(m["content"], str) else m["content"]}
+                                for m in row["messages"]]}
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_text_parts_give_the_ids_the_official_template_gives_them(qwen35_tokenizer, name):
+    row, _ = CONVERSATIONS[name]
+    encoder = ChatEncoder(qwen35_tokenizer, ChatOptions(), check_every=1)
+    ids, targets = encoder(row_of(with_parts(row)))
+    encoder.finish()
+    official = encoder.tok.apply_chat_template(with_parts(row)["messages"], tools=row.get("tools"), tokenize=True)
+    assert ids == list(official["input_ids"]) and (ids, targets) == encoder(row_of(row))
+
+
+def test_text_parts_are_rendered_by_a_template_that_renders_strings_only():
+    encoder = ChatEncoder(debug_template_tokenizer(), ChatOptions(), check_every=1)
+    row = {"messages": [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]}
+    got = encoder(row_of(with_parts(row)))
+    encoder.finish()
+    assert got == encoder(row_of(row))  # the reply "cba" is trained on, not an empty answer
+
+
+def test_an_assistant_turn_the_template_renders_empty_is_left_out(tmp_path):
+    misspelt = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.text }}<|im_end|>\n{% endfor %}")  # no content
+    encoder = ChatEncoder(HFTokenizer(str(byte_tokenizer(tmp_path / "tok", misspelt))), ChatOptions())
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    skipped = encoder(row_of(row, 4))
+    assert isinstance(skipped, Skipped) and skipped.locate() == "chats.jsonl:4"
+    assert skipped.reason == ("the chat template rendered messages[1] (assistant) empty, though it has content: "
+                              "the template does not render it")
+    assert not isinstance(encoder(row_of({"messages": [*row["messages"][:1], {"role": "assistant", "content": ""}]})),
+                          Skipped)  # an empty reply rendered empty is what the row says
+
+
+def tool_call_row(arguments) -> dict:
+    return {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+                         {"role": "tool", "content": "sunny"},
+                         {"role": "assistant", "content": "Sunny."}], "tools": TOOLS}
+
+
+@pytest.mark.parametrize("template", ["official", "debug"])
+def test_tool_call_arguments_given_as_a_json_string_render_as_the_object(qwen35_tokenizer, template):
+    tok = qwen35_tokenizer if template == "official" else debug_template_tokenizer()
+    encoder = ChatEncoder(tok, ChatOptions(), check_every=1)
+    as_object = encoder(row_of(tool_call_row({"city": "Paris", "days": [1, 2]})))
+    as_string = encoder(row_of(tool_call_row('{"city": "Paris", "days": [1, 2]}')))  # OpenAI's format
+    encoder.finish()
+    assert not isinstance(as_string, Skipped) and as_string == as_object
+    flat = tool_call_row(None)
+    flat["messages"][1]["tool_calls"] = [{"name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2]}'}]
+    assert encoder(row_of(flat)) == as_object  # a call without the "function" wrapper, as the templates allow
+
+
+@pytest.mark.parametrize("arguments, reason", [
+    ('{"city": "Par', "messages[1] tool_calls[0] has arguments that are a string but not JSON (Unterminated string"),
+    ('["Paris"]', "messages[1] tool_calls[0] has arguments that are a JSON string of an array, not of an object"),
+])
+def test_tool_call_arguments_that_are_not_a_json_object_are_left_out(arguments, reason):
+    skipped = ChatEncoder(debug_template_tokenizer(), ChatOptions())(row_of(tool_call_row(arguments)))
+    assert isinstance(skipped, Skipped) and skipped.reason.startswith(reason), skipped
