@@ -3,7 +3,9 @@
 Every validation reads the same rows (a fresh loader from row 0 of the set's token cache), `validation.steps`
 micro-batches of training's local_batch_size x seq_len per data-parallel rank (-1: the whole set), and reduces
 the summed loss and label-token count over all ranks. The MoE balance loss is a training regulariser and is
-not part of it. A model with MTP layers also gets, trained or frozen (a frozen MTP layer drifts as the model it
+not part of it. A set that gives no target token (too few rows for one micro-batch of all data-parallel ranks, which
+is known before the run for a cached set; or a stream that ends first) is a DataError: a loss of 0 over nothing
+would read as a perfect model. A model with MTP layers also gets, trained or frozen (a frozen MTP layer drifts as the model it
 drafts for is fine-tuned):
 - `val_mtp_loss`: the token mean of their cross entropy over their targets (pooled over the depths; the releases
   have one);
@@ -25,7 +27,8 @@ from parallel.parallelize import reshard_fsdp
 
 from .config import JobConfig
 from .data.chat import chat_options
-from .data.loader import IGNORE_INDEX, build_dataloader
+from .data.errors import DataError
+from .data.loader import IGNORE_INDEX, TokenCacheLoader, build_dataloader
 
 
 class Validator:
@@ -42,6 +45,14 @@ class Validator:
                                        cache_dir=cache_dir, infinite=False, cache_verify=t.dataset_cache_verify,
                                        data_format=t.data_format, chat=chat_options(cfg))  # training's chat keys
         self.start = self.loader.state_dict()  # every validation rewinds to here: the same rows each time
+        self.what = f"{v.dataset_path} (validation.steps = {v.steps})"
+        rows_needed = dp_world_size * t.local_batch_size
+        if isinstance(self.loader, TokenCacheLoader) and self.loader.num_rows < rows_needed:
+            raise _on_every_rank(DataError(
+                f"the validation set {v.dataset_path} has {self.loader.num_rows} rows of seq_len + 1 = {t.seq_len + 1} "
+                f"tokens, fewer than one micro-batch of all data-parallel ranks ({rows_needed} = {dp_world_size} ranks "
+                f"x local_batch_size {t.local_batch_size}): it gives no validation loss; use a larger set, or a "
+                f"smaller training.local_batch_size"))
 
     @torch.no_grad()
     def validate(self, model: nn.Module) -> dict[str, float]:
@@ -64,11 +75,20 @@ class Validator:
             dist.all_reduce(totals)
         reshard_fsdp(model)  # a forward without backward leaves reshard_after_forward=False units gathered
         model.train(was_training)
+        if totals[1] == 0:  # the same on every rank (all-reduced)
+            raise _on_every_rank(DataError(f"validation read no target token from {self.what}: a streamed set "
+                                           f"shorter than one micro-batch of all data-parallel ranks? Use a larger set"))
         result = {"val_loss": (totals[0] / totals[1].clamp_min(1)).item(), "val_tokens": int(totals[1].item())}
         if self.mtp:
             result["val_mtp_loss"] = (totals[2] / totals[3].clamp_min(1)).item()
             result["val_mtp_accept"] = (totals[4] / totals[5].clamp_min(1)).item()
         return result
+
+
+def _on_every_rank(error: DataError) -> DataError:
+    """`error`, marked as met by every rank alike: rank 0 alone prints it (harness/train.py)."""
+    error.every_rank = True
+    return error
 
 
 def draft_matches(model: nn.Module, inputs: dict, out) -> tuple[torch.Tensor, torch.Tensor]:

@@ -339,6 +339,8 @@ class ChatEncoder:
             if problem := self._empty_turn(messages, text, spans):
                 return Skipped(row.locate, problem)
             targets = target_mask(encoding["offset_mapping"], spans)
+            if not any(targets):  # nothing to learn (harness/data/chat_packing.py relies on every one holding one)
+                return Skipped(row.locate, "the template rendered its assistant turns without a token")
         if self.encoded % self.check_every == 0:
             self._check(row, messages, tools, ids)
         self.encoded += 1

@@ -15,11 +15,14 @@ The layout (which conversations, how many of their tokens, in which row) is comp
 chat_overlong alone, the same on every rank: rows are global and dealt to data-parallel ranks, and the state is the
 rows consumed, exactly as for text (TokenCacheLoader). Hugging Face streams are packed per DP rank as they come,
 their rows depend on the DP degree, as text streams' do.
+Every conversation of a cache holds a target (harness/data/chat.py leaves out those without), so only a truncated
+one can fill a row (it fills one alone) without a label: such rows are counted in the log, and a layout of nothing
+else is a DataError naming chat_overlong, as a run on it would train on nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import numpy as np
@@ -38,6 +41,7 @@ class ChatLayout:
     row_first: np.ndarray  # (rows + 1,) int64
     dropped: int
     truncated: int
+    untargeted: int = 0  # rows without a target token: a conversation truncated before its first target
 
     @property
     def num_rows(self) -> int:
@@ -67,32 +71,54 @@ def pack_conversations(lengths: Iterable[int], row_tokens: int, overlong: str) -
 
 
 def cache_layout(cache: TokenCache, row_tokens: int, overlong: str) -> ChatLayout:
-    """The layout of a chat cache's conversations; a DataError when none fits and none is kept."""
+    """The layout of a chat cache's conversations; a DataError when none is kept, or no row holds a target."""
     lengths = np.diff(cache.doc_starts, append=len(cache.tokens))
     layout = pack_conversations(lengths.tolist(), row_tokens, overlong)
     if layout.num_rows == 0:
         raise DataError(f"all {len(lengths)} conversations of dataset cache {cache.folder} are longer than "
                         f"seq_len + 1 = {row_tokens} tokens, and training.chat_overlong = 'drop' leaves them out: "
                         f"raise training.seq_len, or set training.chat_overlong = 'truncate'")
+    kept, _ = _overlong_targets(cache, row_tokens, overlong)
+    layout = replace(layout, untargeted=int(np.count_nonzero(kept == 0)) if overlong == "truncate" else 0)
+    if layout.untargeted == layout.num_rows:
+        raise DataError(f"none of the {layout.num_rows} rows of the chat dataset {_dataset_name(cache)} (cache "
+                        f"{cache.folder}) holds a target token: training.chat_overlong = 'truncate' cut all "
+                        f"{layout.truncated} conversations to their first seq_len + 1 = {row_tokens} tokens, before "
+                        f"their first target; raise training.seq_len, or set training.chat_overlong = 'drop'")
     return layout
 
 
-def layout_summary(layout: ChatLayout, cache: TokenCache, row_tokens: int, overlong: str) -> str:
-    """Conversations kept, dropped and truncated, rows, and the share of the rows' tokens that are targets and
-    padding. The cache's targets are counted at build (meta.json); only those of conversations left out or cut
-    are read here."""
-    R, starts = row_tokens, cache.doc_starts
+def _overlong_targets(cache: TokenCache, row_tokens: int, overlong: str) -> tuple[np.ndarray, int]:
+    """The targets that conversations longer than `row_tokens` keep in their row (one count each, 0 when
+    dropped) and lose, all together; only these conversations' flags are read."""
+    starts = cache.doc_starts
     lengths = np.diff(starts, append=len(cache.tokens))
-    lost = 0
-    for doc in np.flatnonzero(lengths > R).tolist():
-        lo, kept = int(starts[doc]), 0 if overlong == "drop" else R
-        lost += int(np.count_nonzero(cache.targets[lo + kept: lo + int(lengths[doc])]))
+    kept, lost = [], 0
+    for doc in np.flatnonzero(lengths > row_tokens).tolist():
+        lo, cut = int(starts[doc]), 0 if overlong == "drop" else row_tokens
+        kept.append(int(np.count_nonzero(cache.targets[lo: lo + cut])))
+        lost += int(np.count_nonzero(cache.targets[lo + cut: lo + int(lengths[doc])]))
+    return np.asarray(kept, dtype=np.int64), lost
+
+
+def _dataset_name(cache: TokenCache) -> str:
+    files = cache.meta["source"].get("files", [])
+    return files[0]["path"] + (f" and {len(files) - 1} more files" if len(files) > 1 else "") if files else "?"
+
+
+def layout_summary(layout: ChatLayout, cache: TokenCache, row_tokens: int, overlong: str) -> str:
+    """Conversations kept, dropped and truncated, rows, the share of the rows' tokens that are targets and
+    padding, and the rows without a target. The cache's targets are counted at build (meta.json); only those of
+    conversations left out or cut are read here."""
+    R = row_tokens
     tokens = layout.num_rows * R
-    trained = cache.meta["targets"]["num_targets"] - lost
+    trained = cache.meta["targets"]["num_targets"] - _overlong_targets(cache, R, overlong)[1]
     padding = tokens - int(layout.taken.sum())
+    untargeted = (f"; {layout.untargeted} rows ({layout.untargeted / layout.num_rows:.1%}) hold no target token "
+                  f"(truncated before it)" if layout.untargeted else "")
     return (f"{len(layout.docs)} conversations kept, {layout.dropped} dropped and {layout.truncated} truncated (longer "
             f"than seq_len + 1 = {R} tokens; chat_overlong = {overlong!r}); {layout.num_rows} rows of {R} tokens: "
-            f"{trained / tokens:.1%} targets, {padding / tokens:.1%} padding")
+            f"{trained / tokens:.1%} targets, {padding / tokens:.1%} padding{untargeted}")
 
 
 def chat_window(pieces: list[tuple[np.ndarray, np.ndarray]], row_tokens: int,

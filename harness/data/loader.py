@@ -70,11 +70,11 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 
-def _report_left_out(count: int, dp_rank: int, what: str, latest: str) -> None:
+def _report_left_out(count: int, dp_rank: int, what: str, latest: str, done: str = "left out") -> None:
     """A stream's rows left out so far, logged at the 1st, 10th, 100th and every 1000th: a stream has no end to
     report them at, and a line per row would flood the log."""
     if count in (1, 10, 100) or count % 1000 == 0:
-        logger.warning(f"data: dp rank {dp_rank} left out {count} {what} so far (the latest: {latest})")
+        logger.warning(f"data: dp rank {dp_rank} {done} {count} {what} so far (the latest: {latest})")
 UNIT_BYTES = 64 << 20  # work unit of the cache build: enough units to spread over ranks, each worth a seek
 PREFETCH_BATCHES = 4  # hf: batches packed ahead of the training step
 _END = object()  # end of a pass over the documents
@@ -146,7 +146,8 @@ class TokenCacheLoader:
         _check_shape_args(seq_len, batch_size, dp_rank, dp_world_size)
         self.cache, self.seq_len, self.batch_size = cache, seq_len, batch_size
         self.dp_rank, self.dp_world_size, self.infinite = dp_rank, dp_world_size, infinite
-        self.num_rows = self._count_rows()
+        # Every rank lays out the same rows: a layout that cannot train fails on all, and rank 0 names it.
+        self.num_rows = token_cache.on_every_rank(self._count_rows, f"laying out the rows of {cache.folder}")
         self.next_row = 0  # global rows consumed by all DP ranks together: the whole resumable state
         self._epoch_logged = 0
 
@@ -243,8 +244,8 @@ def _check_state_keys(sd: dict, types: dict[str, type]) -> None:
 
 
 class _PassTally:
-    """A stream's rows kept and left out in one pass over its documents: a whole pass (read from its first row)
-    that kept none is an error, where reading on would only pass over the same rows again and again."""
+    """A stream's rows kept (with a target, for chat) and not in one pass over its documents: a whole pass (read
+    from its first row) that kept none is an error, where reading on would only pass over the same rows again."""
 
     def __init__(self, whole: bool):
         self.whole, self.kept, self.first_left_out = whole, 0, None
@@ -319,10 +320,10 @@ class StreamPacker:
             if self.doc_index == 0:
                 raise DataError(f"data-parallel rank {self.dp_rank} of {self.dp_world_size} got no documents: "
                                 f"the dataset has fewer documents (or shards) than data-parallel ranks")
-            if self._pass.whole and self._pass.kept == 0:  # another pass would leave them all out again
-                raise DataError(f"dp rank {self.dp_rank} of {self.dp_world_size} left out all {self.doc_index} rows of "
-                                f"its shard of the dataset (the first: {self._pass.first_left_out}): nothing to "
-                                f"train on")
+            if self._pass.whole and self._pass.kept == 0:  # another pass would find nothing either
+                raise DataError(f"dp rank {self.dp_rank} of {self.dp_world_size} has nothing to train on: all "
+                                f"{self.doc_index} rows of its shard of the dataset were left out or hold no target "
+                                f"(the first: {self._pass.first_left_out})")
             if not self.infinite:
                 raise StopIteration
             self.epoch, self.doc_index, self._docs = self.epoch + 1, 0, None
@@ -420,7 +421,7 @@ class ChatStreamPacker(StreamPacker):
         super().__init__(documents, None, seq_len, batch_size, dp_rank, dp_world_size, infinite)
         self.encoder, self.overlong, self.pad_id = encoder, overlong, pad_id
         self._carry: tuple[list[int], list[int]] | None = None  # read, but not yet placed in a row
-        self.dropped = self.truncated = 0
+        self.dropped = self.truncated = self.untargeted = 0
 
     def _next_row(self) -> dict[str, torch.Tensor]:
         R, pieces, fill = self.seq_len + 1, [], 0
@@ -447,12 +448,19 @@ class ChatStreamPacker(StreamPacker):
                 _report_left_out(self.skipped, self.dp_rank, "conversations that cannot be trained on", where)
                 continue
             ids, flags = encoded
-            if len(ids) <= R or self.overlong == "truncate":
-                self._pass.kept += 1
             if len(ids) <= R:
+                self._pass.kept += 1  # with a target: the encoder leaves out a conversation without one
                 return ids, flags
             if self.overlong == "truncate":
                 self.truncated += 1
+                if any(flags[:R]):
+                    self._pass.kept += 1
+                else:  # a row of its own without a label: counted, as in a cache's layout (chat_packing.py)
+                    self.untargeted += 1
+                    self._pass.left_out(f"{row.locate()}: truncated to seq_len + 1 = {R} tokens, before its first "
+                                        f"target (training.chat_overlong = 'truncate')")
+                    _report_left_out(self.untargeted, self.dp_rank, "conversations truncated before their first "
+                                     "target, each a row without a label,", row.locate(), done="packed")
                 return ids[:R], flags[:R]
             self._pass.left_out(f"{row.locate()}: {len(ids)} tokens, longer than seq_len + 1 = {R} "
                                 f"(training.chat_overlong = 'drop')")

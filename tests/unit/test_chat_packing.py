@@ -159,7 +159,9 @@ def test_an_all_overlong_set_is_an_error_saying_what_to_do(corpus, tmp_path):
     with pytest.raises(DataError, match=r"all 60 conversations .* are longer than seq_len \+ 1 = 17 tokens.*raise "
                                         r"training\.seq_len, or set training\.chat_overlong = 'truncate'"):
         chat_loader(source, tmp_path, 16, 1)
-    assert next(chat_loader(source, tmp_path, 16, 1, overlong="truncate"))["input_ids"].shape == (1, 16)
+    with pytest.raises(DataError, match=r"none of the 60 rows .* holds a target token"):  # each prompt fills its row
+        chat_loader(source, tmp_path, 16, 1, overlong="truncate")
+    assert next(chat_loader(source, tmp_path, 40, 1, overlong="truncate"))["input_ids"].shape == (1, 40)
 
 
 # -- dealing and resume ----------------------------------------------------------------------------------------------
@@ -311,3 +313,80 @@ def test_the_shipped_chat_corpus_is_small_and_every_conversation_in_it_is_kept(t
     assert sum(p.stat().st_size for p in files) < 2 * 1024 * 1024 and (DEBUG_CHAT / "README.md").is_file()
     loader = chat_loader(DEBUG_CHAT / "val.jsonl", tmp_path, 512, 4)
     assert loader.cache.meta["skipped_rows"]["count"] == 0 and len(loader.layout.docs) == 200
+
+
+# -- rows without a target ---------------------------------------------------------------------------------------------
+
+
+def long_prompt(i: int, prompt: int = 200) -> dict:
+    """A conversation whose prompt alone is longer than a row of 65 tokens: truncated, it keeps no assistant turn."""
+    return {"messages": [{"role": "user", "content": f"q{i} " + "x" * prompt},
+                         {"role": "assistant", "content": f"a{i}"}]}
+
+
+def test_truncation_that_cuts_off_every_assistant_turn_is_an_error_naming_the_setting(tmp_path):
+    source = write_rows(tmp_path / "chats.jsonl", [long_prompt(i) for i in range(6)])
+    with pytest.raises(DataError, match=rf"none of the 6 rows of the chat dataset {source} .*holds a target token: "
+                                        r"training.chat_overlong = 'truncate' cut all 6 conversations to their first "
+                                        r"seq_len \+ 1 = 65 tokens, before their first target; raise "
+                                        r"training.seq_len, or set training.chat_overlong = 'drop'"):
+        chat_loader(source, tmp_path, 64, 1, overlong="truncate")
+
+
+def test_rows_without_a_target_are_counted_at_the_start(tmp_path, caplog):
+    rows = [long_prompt(0), *conversations(4), long_prompt(1)]
+    source = write_rows(tmp_path / "chats.jsonl", rows)
+    with caplog.at_level(logging.INFO):
+        loader = chat_loader(source, tmp_path, 64, 1, overlong="truncate", infinite=False)
+    summary = [r.getMessage() for r in caplog.records if "chat rows of" in r.getMessage()]
+    empty = sum(all(label == IGNORE_INDEX for label in row["labels"]) for batch in loader for row in batch_rows(batch))
+    assert empty == 2 and len(summary) == 1
+    assert f"{empty} rows ({empty / loader.num_rows:.1%}) hold no target token (truncated before it)" in summary[0]
+
+
+def test_a_chat_stream_whose_rows_hold_no_target_is_an_error(monkeypatch):
+    fake_datasets(monkeypatch, [long_prompt(i) for i in range(3)])
+    loader = build_dataloader("hf", "fake/chats", "text", TOKENIZER, 64, 1, infinite=False, data_format="chat",
+                              chat=ChatOptions(overlong="truncate"))
+    with pytest.raises(DataError, match=r"dp rank 0 of 1 has nothing to train on: all 3 rows of its shard of the "
+                                        r"dataset were left out or hold no target \(the first: .* row 0: truncated to "
+                                        r"seq_len \+ 1 = 65 tokens, before its first target"):
+        list(loader)
+
+
+def test_a_validation_set_too_small_for_one_micro_batch_is_an_error(tmp_path):
+    from harness.config import load_config
+    from harness.validation import Validator
+
+    source = write_rows(tmp_path / "val.jsonl", conversations(1))
+    cfg = load_config(["--config", SFT_CONFIG, "--validation.enable", "true", "--validation.dataset_path",
+                       str(source), "--training.seq_len", "128", "--training.local_batch_size", "4"])
+    with pytest.raises(DataError, match=rf"the validation set {source} has 1 rows of seq_len \+ 1 = 129 tokens, fewer "
+                                        r"than one micro-batch of all data-parallel ranks \(4 = 1 ranks x "
+                                        r"local_batch_size 4\): it gives no validation loss"):
+        Validator(cfg, TOKENIZER, 0, 1, str(tmp_path / "cache"), None, None)
+
+
+def test_a_validation_that_reads_no_target_is_an_error(monkeypatch, tmp_path):
+    import torch
+
+    from harness.config import load_config
+    from harness.validation import Validator
+
+    fake_datasets(monkeypatch, conversations(1))  # a streamed set too short for one row
+    cfg = load_config(["--config", SFT_CONFIG, "--validation.enable", "true", "--validation.dataset", "hf",
+                       "--validation.dataset_path", "fake/chats", "--validation.steps", "-1"])
+    validator = Validator(cfg, TOKENIZER, 0, 1, str(tmp_path / "cache"), torch.device("cpu"), None)
+    with pytest.raises(DataError, match=r"validation read no target token from fake/chats \(validation.steps = -1\)"):
+        validator.validate(torch.nn.Linear(1, 1))
+
+
+def test_train_with_truncation_that_leaves_no_target_exits_2_naming_the_setting(tmp_path, capsys, own_logging):
+    from harness.train import main
+
+    source = write_rows(tmp_path / "chats.jsonl", [long_prompt(i, prompt=600) for i in range(8)])
+    assert main(["--config", SFT_CONFIG, "--job.dump_folder", str(tmp_path / "out"), "--training.dataset_path",
+                 str(source), "--validation.enable", "false", "--training.chat_overlong", "truncate",
+                 "--training.steps", "1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "training.chat_overlong = 'truncate' cut all 8 conversations" in errors[0], errors

@@ -18,6 +18,7 @@ from harness.data.errors import DataError
 from harness.data.loader import build_dataloader
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer
 from harness.train import BAD_INPUT, main
+from tests.unit.test_chat_packing import own_logging  # noqa: F401 (a fixture: main() sets up logging)
 from tests.unit.test_data import fake_datasets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,16 +126,16 @@ def test_a_stream_of_only_unusable_rows_is_an_error_not_an_endless_read(monkeypa
             [{"messages": [{"role": "user", "content": bad}, CONVERSATION[1]]}] * 2)
     fake_datasets(monkeypatch, PassesLimited(rows))
     loader = build_dataloader("hf", "fake/rows", "text", CHAT_TOKENIZER, 32, 1, data_format=data_format)
-    with pytest.raises(DataError, match=r"dp rank 0 of 1 left out all 2 rows of its shard of the dataset \(the "
-                                        r"first: Hugging Face dataset 'fake/rows' \(dp rank 0 of 1\) row 0: .*lone "
-                                        r"surrogate"):
+    with pytest.raises(DataError, match=r"dp rank 0 of 1 has nothing to train on: all 2 rows of its shard of the "
+                                        r"dataset were left out or hold no target \(the first: Hugging Face dataset "
+                                        r"'fake/rows' \(dp rank 0 of 1\) row 0: .*lone surrogate"):
         next(loader)
 
 
 # -- through the entry point -----------------------------------------------------------------------------------------
 
 
-def test_train_on_a_dataset_of_only_unusable_rows_exits_2_with_one_line(tmp_path, capsys):
+def test_train_on_a_dataset_of_only_unusable_rows_exits_2_with_one_line(tmp_path, capsys, own_logging):
     source = write(tmp_path / "d.jsonl", *(text_line(case) for case in UNUSABLE))
     code = main(["--training.steps", "1", "--training.seq_len", "16", "--training.local_batch_size", "1",
                  "--training.dataset_path", str(source), "--metrics.enable_tensorboard", "false",
