@@ -112,7 +112,7 @@ class Training:
     chat_targets: Literal["assistant", "all"] = "assistant"
     # chat: a conversation longer than seq_len + 1 tokens is dropped, or truncated to one row (counted in the log)
     chat_overlong: Literal["drop", "truncate"] = "drop"
-    # chat: a row larger than this many bytes (its jsonl line; for parquet and hf rows, the characters of its
+    # chat: a row larger than this many bytes (its jsonl line; for parquet and hf rows, the UTF-8 bytes of its
     # strings) is left out before it is parsed, rendered or tokenized, counted with the rows that cannot be trained
     # on: a conversation far longer than a row would only be dropped or cut, after seconds and gigabytes of work.
     # -1 = 16 bytes a token of a row, 16 * (seq_len + 1); raise it for rows of more bytes a token (JSON escapes of

@@ -57,6 +57,10 @@ TEMPLATE_FILE, TEMPLATES_FOLDER, CONFIG_FILE = "chat_template.jinja", "additiona
 
 
 ROW_BYTES_PER_TOKEN = 16  # the default limit of a row's size: this many bytes a token of a row of seq_len + 1
+# How this module turns rows into tokens around the template (template_messages, the rows it leaves out); a cache's
+# key holds it, so a change of these rules builds a new cache. 2: text parts joined, arguments parsed, rows without
+# a target or with an empty assistant turn left out.
+ENCODING_RULES = 2
 
 
 @dataclass(frozen=True)
@@ -124,15 +128,16 @@ def chat_template_sources(tokenizer_path: str) -> dict[str, object]:
 
 
 def chat_identity(tokenizer_path: str, options: ChatOptions) -> dict:
-    """What a chat cache's key hashes beside the files and the tokenizer: the chat keys, the template text, and the
-    versions of what renders it (transformers' apply_chat_template on jinja2): an upgrade builds a new cache. Its
+    """What a chat cache's key hashes beside the files and the tokenizer: the chat keys (with the resolved row limit),
+    the template text, ENCODING_RULES, and the versions of what renders it (transformers' apply_chat_template on
+    jinja2): an upgrade builds a new cache. Its
     stream id comes from the tokens themselves, so a run resumes on the new cache where they are unchanged."""
     import jinja2
     import transformers
 
     templates = json.dumps(chat_template_sources(tokenizer_path), sort_keys=True)
     return {"format": "chat", "messages_field": options.messages_field, "chat_targets": options.targets,
-            "max_row_bytes": options.max_row_bytes,  # which rows are left out unread
+            "max_row_bytes": options.max_row_bytes, "encoding_rules": ENCODING_RULES,
             "chat_template_sha256": hashlib.sha256(templates.encode()).hexdigest(),
             "renderer": {"transformers": transformers.__version__, "jinja2": jinja2.__version__}}
 
