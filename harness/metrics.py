@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -22,6 +23,7 @@ import torch
 from models.qwen35_moe.args import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35MoeArgs
 
 from .atomic_file import write_whole
+from .run_outputs import OutputError
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +138,8 @@ def _keep_records_up_to(path: Path, step: int) -> None:
     """Drops the lines of `path` beyond `step` by writing the kept ones to a temporary file renamed over it: at every
     moment the file holds either all its lines or the kept ones, never fewer (truncating it in place and writing
     them back would leave it empty, or half written, to a kill in between)."""
+    if path.is_symlink():  # planted by someone else: never read or written through
+        raise OSError(f"{path} is a symbolic link, which this run never writes; remove it")
     if not path.is_file():
         return
     text = path.read_text()
@@ -153,18 +157,17 @@ def _duration(seconds: float) -> str:
 class MetricsLogger:
     """Rank 0 writes a console line, one JSON object per logged step to metrics.jsonl, and TensorBoard scalars.
 
-    TensorBoard events of each run go to their own sub-folder, <tb_folder>/<run start time>, so a fresh run in a
-    folder that holds an earlier run's events shows as another run instead of mixing into its curves. A run
-    resumed at step k (`resume_step`) continues its own: metrics.jsonl keeps its records up to step k and
-    appends, TensorBoard reopens the run's folder (`tb_run`) and drops its events after step k (those of the
-    steps after the checkpoint, which the resumed run computes again). A fresh run keeps none of the lines it
-    finds (its steps start again at 1). Each line is written through to the file as it is logged, so a kill loses
-    no logged step; the run lock (harness/run_lock.py) makes this run the file's only writer.
+    The dump folder's metrics.jsonl is this run's line's (harness/run_outputs.py moved another line's aside before):
+    a fresh run finds none; a run resumed at step k (`resume_step`) keeps its records up to step k and appends.
+    TensorBoard events of each line go to their own sub-folder, <tb_folder>/<run id> (`run_id`); a resumed run
+    reopens it and drops its events after step k (those of the steps after the checkpoint, which the resumed run
+    computes again). Each line is written through to the file as it is logged, so a kill loses no logged step; the
+    run lock (harness/run_lock.py) makes this run the file's only writer. A write the file system refuses is an
+    OutputError (exit 2, one line).
     """
 
     def __init__(self, dump_folder: str | Path, total_steps: int, enable_tensorboard: bool, tb_folder: str,
-                 enabled: bool = True, job_name: str = "", resume_step: int | None = None,
-                 tb_run: str | None = None):
+                 run_id: str, enabled: bool = True, job_name: str = "", resume_step: int | None = None):
         self.enabled = enabled
         self.prefix = f"[{job_name}] " if job_name else ""
         self.total_steps = total_steps
@@ -176,25 +179,39 @@ class MetricsLogger:
         if not enabled:
             return
         folder = Path(dump_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "metrics.jsonl"
-        _keep_records_up_to(path, resume_step or 0)  # a fresh run (step 0) keeps no line
-        self.jsonl = open(path, "a")
+        self.path = folder / "metrics.jsonl"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _keep_records_up_to(self.path, resume_step or 0)  # a fresh run (step 0) keeps no line
+            # appended to, never through a link planted at its name
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            self.jsonl = os.fdopen(fd, "a")
+        except OSError as e:
+            raise self._refused(e) from None
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_dir = folder / tb_folder / (tb_run or time.strftime("%Y%m%d-%H%M%S"))
-            purge = resume_step + 1 if resume_step is not None and tb_run else None
+            self.tb_dir = folder / tb_folder / run_id
+            purge = resume_step + 1 if resume_step is not None else None
             self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
+
+    def _refused(self, e: OSError) -> OutputError:
+        return OutputError(f"cannot write {self.path}: {e.strerror or e}; free space (or fix the file system), then "
+                           "relaunch: it resumes from the last checkpoint")
+
+    def _write(self, record: dict) -> None:
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        except OSError as e:
+            raise self._refused(e) from None
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         if not self.enabled:
             return
         if self.first_step is None:
             self.first_step, self.start = step, time.perf_counter()
-        record = {"step": step, **metrics}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self._write({"step": step, **metrics})
         if self.writer is not None:
             for key, value in metrics.items():
                 if value is not None:
@@ -218,8 +235,7 @@ class MetricsLogger:
     def log_validation(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
+        self._write({"step": step, **metrics})
         if self.writer is not None:
             for key in ("val_loss", "val_mtp_loss", "val_mtp_accept"):
                 if key in metrics:
@@ -231,6 +247,9 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.jsonl is not None:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError:  # its last write already failed, and said so
+                pass
         if self.writer is not None:
             self.writer.close()

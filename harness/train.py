@@ -90,6 +90,7 @@ def _main(argv: list[str] | None) -> int:
         from .data.loader import DataError
         from .preemption import TERMINATED, TrainingStopped
         from .run_lock import RunLockError
+        from .run_outputs import OutputError
         from .trainer import Trainer, TrainingDivergedError
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, STARTING)
@@ -100,7 +101,7 @@ def _main(argv: list[str] | None) -> int:
         trainer = Trainer(cfg)
     except RunLockError as err:  # rank 0's verdict, raised on every rank
         code = _fail(BAD_INPUT, err, shared=True)
-    except (FlaKernelsUnavailableError, CheckpointError, DataError) as err:  # the machine, dump folder or data
+    except (FlaKernelsUnavailableError, CheckpointError, DataError, OutputError) as err:  # machine, folders, data
         code = _fail(BAD_INPUT, err, shared=getattr(err, "every_rank", False))
     except KeyboardInterrupt:
         code = _stop(INTERRUPTED, STARTING)
@@ -118,16 +119,21 @@ def _main(argv: list[str] | None) -> int:
     try:
         trainer.train()
         if cfg.checkpoint.export_hf_at_end:
-            trainer.export_hf()
+            trainer.export_hf()  # a first Ctrl-C or SIGTERM meanwhile lets it finish: it may be all that is saved
         trainer.print_summary()
+        if trainer.stop.reason and cfg.checkpoint.export_hf_at_end:  # past the last step's stop check
+            what = "stopped on SIGTERM" if trainer.stop.reason == TERMINATED else "interrupted"
+            return _stop(0 if trainer.stop.reason == TERMINATED else INTERRUPTED,
+                         f"{what} after the last step; the Hugging Face export was finished first: "
+                         f"{trainer.export_folder}")
     except TrainingDivergedError as err:
         return _fail(DIVERGED, err)
-    except (DataError, CheckpointError) as err:  # a damaged row of the cache; a save the file system refused
+    except (DataError, CheckpointError, OutputError) as err:  # a damaged row; a save or a write the disk refused
         return _fail(BAD_INPUT, err, shared=getattr(err, "every_rank", False))
     except TrainingStopped as stopped:
         return _stop(0 if stopped.reason == TERMINATED else INTERRUPTED, str(stopped))
-    except KeyboardInterrupt:  # a second Ctrl-C: no save
-        return _stop(INTERRUPTED, f"interrupted at step {trainer.step}; not saved (Ctrl-C twice)")
+    except KeyboardInterrupt:  # a second Ctrl-C: no save, no export; what is on disk is said
+        return _stop(INTERRUPTED, f"interrupted at step {trainer.step} (Ctrl-C twice): {trainer.what_is_saved()}")
     except Exception:
         peer = _peer_stopped()
         if peer is None:

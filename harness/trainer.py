@@ -24,8 +24,8 @@ from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
 from .atomic_file import write_whole
-from .checkpoint.checkpointer import Checkpointer, verified_resume_step
-from .checkpoint.hf_weights import export_hf, with_tokenizer, write_hf_meta
+from .checkpoint.checkpointer import Checkpointer, step_folders, verified_resume_step
+from .checkpoint.hf_weights import check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data.chat import chat_options
 from .data.loader import build_dataloader
@@ -45,7 +45,8 @@ from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
 from .resume_config import apply_optimizer_settings, other_changes
-from .run_lock import acquire_run_lock
+from .run_lock import acquire_run_lock, written_folders
+from .run_outputs import OutputError, claim_outputs
 from .runtime import cpu_process_group, init_process_group, pick_device, set_seed
 from .data.tokenizer import build_tokenizer
 from .validation import Validator
@@ -88,8 +89,8 @@ class Trainer:
         init_process_group(self.device, self.dims.world_size)
         self.meshes = self.dims.build_meshes(self.device.type)  # None: one process, no process group
         self.cpu_group = cpu_process_group()  # for the per-step stop check: no GPU sync
-        # One run per dump folder, locked before anything is written there (harness/run_lock.py)
-        self.run_lock = acquire_run_lock(cfg.job.dump_folder, self.rank, self.cpu_group)
+        # One run per dump folder (and checkpoint folder), locked before anything is written there (harness/run_lock.py)
+        self.run_lock = acquire_run_lock(written_folders(cfg), self.rank, self.cpu_group)
         self.stop = StopRequested()
 
         ckpt = cfg.checkpoint
@@ -119,7 +120,7 @@ class Trainer:
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
                                     self.model_inputs, mtp=self.model.mtp is not None)
                           if cfg.validation.enable else None)
-        self.step, tb_run = 0, None
+        self.step, line = 0, None
         self.checkpointer = None
         if ckpt.enable:
             args_for_hf, hf_files = with_tokenizer(self.model_args, self.tokenizer)
@@ -131,19 +132,44 @@ class Trainer:
                 run_config=cfg.to_dict())
         if resume_step is not None:
             train_state = self.checkpointer.resume(resume_step, restore_data=not ckpt.restart_data)
-            self.step, tb_run = train_state["step"], train_state["tb_run"]
+            self.step, line = train_state["step"], train_state.get("run_id") or train_state.get("tb_run")
             self._apply_relaunch_config(train_state.get("run_config"))
         self.first_step = self.step  # where this launch starts
+        if self.checkpointer is not None:
+            self.checkpointer.check_room(self.step, cfg.training.steps, ckpt.interval)
+        # The dump folder's outputs become this line's: another line's are set aside (harness/run_outputs.py)
+        self.run_id = self._claim_outputs(line, resumed=resume_step is not None)
+        if cfg.checkpoint.export_hf_at_end:  # an export it may not write is refused now, not after the training
+            check_hf_export_folder(self.export_folder)
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
-                                     cfg.metrics.save_tb_folder, enabled=self.rank == 0, job_name=cfg.job.name,
-                                     resume_step=self.step if resume_step is not None else None, tb_run=tb_run)
+                                     cfg.metrics.save_tb_folder, self.run_id, enabled=self.rank == 0,
+                                     job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None)
         self.peak_flops = peak_flops(self.device)
         self.clock = DeviceClock(self.device)
         self.last: dict[str, float] = {}
         self.pending: list[tuple[int, StepValues]] = []  # (step, its unread `_step` values) since the last read
         self.started = time.perf_counter()
+        self.exporting = False  # whether the end-of-run export is being written (what_is_saved)
         if self.rank == 0:
             self._save_config()
+
+    def _claim_outputs(self, line: str | None, resumed: bool) -> str:
+        """Rank 0 sets the dump folder's outputs up for this run's line (harness/run_outputs.py); every rank learns
+        the line's id, which every rank's checkpoint train state holds."""
+        found = [line, None]
+        if self.rank == 0:
+            model = self.cfg.model.hf_config or f"model.flavor {self.cfg.model.flavor}"
+            try:
+                found = list(claim_outputs(self.cfg.job.dump_folder, line, resumed, model))
+            except OutputError as e:
+                found = [None, str(e)]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(found, src=0, group=self.cpu_group)
+        if found[0] is None:
+            raise OutputError(found[1], every_rank=True)
+        if found[1] is not None and self.rank == 0:
+            logger.warning(found[1])
+        return found[0]
 
     def _apply_relaunch_config(self, saved_config: dict | None) -> None:
         """This launch's optimizer settings on top of the loaded state (harness/resume_config.py); a line for each
@@ -161,7 +187,11 @@ class Trainer:
         ckpt = dataclasses.replace(self.cfg.checkpoint, load_step=-1, restart_data=False)
         text = to_toml(dataclasses.replace(self.cfg, checkpoint=ckpt))
         path = os.path.join(self.cfg.job.dump_folder, "config.toml")
-        write_whole(path, text)  # a kill mid-write leaves the previous file whole
+        try:
+            write_whole(path, text)  # a kill mid-write leaves the previous file whole
+        except OSError as e:
+            raise OutputError(f"cannot write {path}: {e.strerror or e}; free space (or fix the file system) "
+                              "first") from None
         logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
     def model_inputs(self, batch: dict[str, torch.Tensor], mtp: bool = False) -> dict:
@@ -385,8 +415,7 @@ class Trainer:
         if self.checkpointer is None or not (self._save_due() or force):
             return None
         self.read_pending()  # raises, saving nothing, if a step since the last read diverged
-        tb_run = self.metrics.tb_dir.name if self.metrics.tb_dir is not None else None
-        path = self.checkpointer.save(self.step, tb_run=tb_run)
+        path = self.checkpointer.save(self.step, self.run_id)
         if force:
             self.checkpointer.wait()  # the process is about to exit: the save must be complete
         return str(path)
@@ -409,10 +438,29 @@ class Trainer:
                 f"nothing to train: step {self.step} of training.steps {cfg.training.steps} already done")
         print(f"[{cfg.job.name}] done: {work}; outputs in {folder}: {', '.join(outputs)}", flush=True)
 
+    @property
+    def export_folder(self) -> str:
+        return os.path.join(self.cfg.job.dump_folder, "hf")
+
     def export_hf(self) -> None:
         """Write the trained weights as a Hugging Face folder at <dump_folder>/hf."""
-        export_hf(self.model, self.model_args, os.path.join(self.cfg.job.dump_folder, "hf"),
-                  DTYPES[self.cfg.checkpoint.export_dtype], tokenizer=self.tokenizer)
+        self.exporting = True
+        export_hf(self.model, self.model_args, self.export_folder, DTYPES[self.cfg.checkpoint.export_dtype],
+                  tokenizer=self.tokenizer)
+        self.exporting = False
+
+    def what_is_saved(self) -> str:
+        """What of this run is on disk, in a few words, for the line of a run stopped before its end (Ctrl-C twice)."""
+        export = (f"the Hugging Face export to {self.export_folder} was not written (an earlier one there is left as "
+                  "it was); " if self.exporting else "")
+        complete = step_folders(self.checkpointer.folder) if self.checkpointer is not None else {}
+        if not complete:
+            return export + ("no checkpoint of this run is saved" if self.checkpointer is not None else
+                             "checkpointing is off: no checkpoint of this run is saved")
+        last = max(complete)
+        convert = (f"; python -m harness.convert {complete[last]} <folder> exports it" if self.exporting
+                   and last == self.step else "")
+        return export + f"the last complete checkpoint is step-{last} ({complete[last]}), which a relaunch resumes{convert}"
 
     def close(self) -> None:
         if hasattr(self.dataloader, "close"):  # a streaming loader's prefetch thread

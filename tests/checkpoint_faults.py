@@ -102,14 +102,14 @@ def _kill_during_second_save(fraction: float) -> None:
 
     original, first = Checkpointer.save, []
 
-    def save(self, step, tb_run=None):
+    def save(self, step, run_id=None):
         if not first:  # time the first save: the second is about as long
             start = time.perf_counter()
-            path = original(self, step, tb_run)
+            path = original(self, step, run_id)
             first.append(time.perf_counter() - start)
             return path
         threading.Timer(fraction * first[0], os.kill, (os.getpid(), signal.SIGKILL)).start()
-        original(self, step, tb_run)
+        original(self, step, run_id)
         time.sleep(600)  # the kill comes here at the latest
 
     Checkpointer.save = save

@@ -16,7 +16,7 @@ What a checkpoint holds (DCP keys):
   model.<fqn>          the model's state dict: DTensor shards under FSDP, so any world size / mesh loads it
   optimizer.<fqn>...   get_optimizer_state_dict (keyed by parameter name: reshardable too)
   train                step, LR schedule, data-loader position (global: the same on every rank), the model's
-                       config, world size, the TensorBoard run folder, the run's config (`run_config`)
+                       config, world size, the line's id (`run_id`: harness/run_outputs.py), the run's config (`run_config`)
   rank<r>              per rank: RNG states (python, torch CPU, CUDA) and, for streamed datasets, that rank's
                        loader; restored only at the same world size (rows of local datasets do not depend on it)
 `train` and `rank<r>` hold tensors and plain values only (dicts, lists, tuples, numbers, strings), read back with
@@ -26,8 +26,10 @@ torch unpickles whole, so a checkpoint from someone else is code: load only your
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
+import os
 import random
 import re
 import shutil
@@ -72,6 +74,10 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
+# torch's C++ writer's words for a write the file system refused, and the free space below which that is a full disk
+_WRITER_FAILURES = ("PytorchStreamWriter failed", "file write failed", "unexpected pos")
+_FULL_BYTES = 16 * 2**20
+_RECORD_BYTES = 1536  # what DCP's torch.save of one tensor adds to its bytes (state_bytes)
 ABANDONED = "abandoned-"  # + UTC time: checkpoints moved aside by a rollback or a failed verification
 
 
@@ -85,16 +91,41 @@ class CheckpointError(RuntimeError):
         self.every_rank = every_rank
 
 
-def _step_dirs(folder: Path) -> dict[int, Path]:
-    """{step: folder} of every step-N folder directly under `folder`, complete or not."""
-    if not folder.is_dir():
+def _step_entries(folder: Path) -> dict[int, Path]:
+    """{step: path} of every step-N entry directly under `folder`, complete or not: folders, and symbolic links
+    (never followed: a link is no checkpoint of this run, and nothing here acts through one)."""
+    try:
+        entries = list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
         return {}
-    return {int(m.group(1)): p for p in folder.iterdir() if (m := _STEP_FOLDER.match(p.name)) and p.is_dir()}
+    return {int(m.group(1)): p for p in entries
+            if (m := _STEP_FOLDER.match(p.name)) and (p.is_symlink() or p.is_dir())}
+
+
+def _is_complete(path: Path) -> bool | None:
+    """Whether a step folder holds its COMPLETE; None when that cannot be read (a folder without read permission)."""
+    try:
+        return (path / COMPLETE).is_file()
+    except OSError:
+        return None
+
+
+def _step_dirs(folder: Path) -> dict[int, Path]:
+    """{step: folder} of every step-N folder directly under `folder` (links left out), complete or not."""
+    return {step: p for step, p in _step_entries(folder).items() if not p.is_symlink()}
 
 
 def step_folders(folder: str | Path) -> dict[int, Path]:
-    """{step: folder} of the complete checkpoints under `folder`."""
-    return {step: path for step, path in _step_dirs(Path(folder)).items() if (path / COMPLETE).is_file()}
+    """{step: folder} of the complete checkpoints under `folder` (folders of their own, whose COMPLETE is there)."""
+    return {step: path for step, path in _step_dirs(Path(folder)).items() if _is_complete(path)}
+
+
+def _resume_candidates(folder: Path) -> dict[int, Path]:
+    """What a resume considers: the complete checkpoints, and every step-N that looks like one but cannot be checked
+    (a link, a folder that cannot be read), so that verification names it and, when newer than the step resumed,
+    sets it aside instead of leaving it to a later save or pruning."""
+    return {step: path for step, path in _step_entries(folder).items()
+            if path.is_symlink() or _is_complete(path) is not False}
 
 
 def agreed(error: str | None, group=None) -> str | None:
@@ -112,19 +143,42 @@ def _rank_world(group=None) -> tuple[int, int]:
     return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
 
 
-def _problem(path: Path, rank: int, world: int) -> str | None:
-    """What is wrong with this rank's share of checkpoint `path` (integrity.checked_by), in a few words; None if
-    nothing."""
+def _problem(path: Path, step: int, rank: int, world: int) -> str | None:
+    """What is wrong with this rank's share of checkpoint `path` of step `step` (integrity.checked_by), in a few
+    words; None if nothing."""
+    if path.is_symlink():
+        return (f"it is a symbolic link (to {os.readlink(path)}), not a folder of this run's: a checkpoint is read "
+                f"only where it was saved")
     try:
         record = read_complete(path)
     except ValueError as e:
         return str(e)
+    if record.get("step") != step:
+        return f"its {COMPLETE} records step {record.get('step')}, not {step}: a copy of another step's folder?"
     if "files" not in record:
         if rank == 0:
             logger.warning("checkpoint %s has no checksums (saved before they were recorded): resuming it unverified",
                            path)
         return None
-    return check_files(path, record, rank, world, hash_threads())
+    problem = check_files(path, record, rank, world, hash_threads())
+    if problem is None and rank == 0:  # COMPLETE is not among the digested files: the state it vouches for must agree
+        saved = _saved_step(path)
+        if saved != step:
+            problem = saved if isinstance(saved, str) else (f"it holds the state of step {saved}, not {step}: a copy "
+                                                            "of another step's folder?")
+    return problem
+
+
+def _saved_step(path: Path) -> int | str:
+    """The step a checkpoint's train state records (read alone, on this process), or why it cannot be read."""
+    state = {"train": b""}
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        return _from_bytes(state["train"], "train", path)["step"]
+    except CheckpointError as e:
+        return str(e)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's wrapper is a BaseException)
+        return f"its train state cannot be read ({_one_line(_first_cause(e))})"
 
 
 def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) -> int | None:
@@ -137,7 +191,7 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
     rank, world = _rank_world(group)
     if rank == 0:
         _report_set_aside(folder)
-    listed = [sorted(step_folders(folder))]
+    listed = [sorted(_resume_candidates(folder))]
     if dist.is_initialized():  # rank 0's listing, so that every rank walks the same steps
         dist.broadcast_object_list(listed, src=0, group=group)
     complete = {step: folder / f"step-{step}" for step in listed[0]}
@@ -148,7 +202,7 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
     candidates = [load_step] if load_step >= 0 else sorted(complete, reverse=True)
     failed = []
     for step in candidates:
-        problem = agreed(_problem(complete[step], rank, world), group)
+        problem = agreed(_problem(complete[step], step, rank, world), group)
         if problem is None:
             break
         failed.append(f"checkpoint step-{step} failed verification: {problem}")
@@ -183,23 +237,47 @@ def _report_set_aside(folder: Path) -> None:
     wants back), so a full disk should not come as a surprise."""
     aside = sorted(folder.glob(f"{ABANDONED}*"))
     if aside:
-        size = sum(f.stat().st_size for path in aside for f in path.rglob("*") if f.is_file())
+        size = sum(_size(path) for path in aside)
         logger.info("checkpoint: %d folder(s) of checkpoints set aside earlier are kept in %s (%s, %.2f GiB): "
                     "delete them once they are not needed", len(aside), folder, ", ".join(p.name for p in aside),
                     size / 1024**3)
 
 
+def _size(path: Path) -> int:
+    """Bytes of the files under `path` (a link counts as itself: never followed); what cannot be read, as 0."""
+    total = 0
+    for root, _, files in os.walk(path):  # os.walk skips what it cannot list, and never enters a link
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _gib(size: int) -> str:
+    return f"{size / 1024**3:.2f} GiB" if size >= 2**30 else f"{size / 1024**2:.1f} MiB"
+
+
 def _set_aside(folder: Path, paths: list[Path], why: str) -> None:
-    """Move step folders into <folder>/abandoned-<UTC time>/, out of "latest" and out of pruning's reach."""
+    """Move step folders (or links) into <folder>/abandoned-<UTC time>/, out of "latest" and out of pruning's reach.
+    A folder without write permission cannot change parent (its `..` entry would change): it is renamed in place to
+    abandoned-<UTC time>.step-N instead. A rename moves a link itself, never what it points to."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target, n = folder / f"{ABANDONED}{stamp}", 1
     while target.exists():
         target, n = folder / f"{ABANDONED}{stamp}-{n}", n + 1
     target.mkdir()
+    moved = []
     for path in paths:
-        path.rename(target / path.name)
-    logger.warning("moved %s aside to %s (%s); pruning never touches them", ", ".join(p.name for p in paths), target,
-                   why)
+        try:
+            path.rename(target / path.name)
+            moved.append(target / path.name)
+        except PermissionError:
+            path.rename(folder / f"{target.name}.{path.name}")
+            moved.append(folder / f"{target.name}.{path.name}")
+    logger.warning("moved %s aside to %s (%s); pruning never touches them", ", ".join(p.name for p in paths),
+                   ", ".join(sorted({str(p.parent if p.parent != folder else p) for p in moved})), why)
 
 
 def read_metadata(checkpoint: str | Path) -> Metadata:
@@ -288,10 +366,10 @@ class Checkpointer:
 
     # ---- what is saved ----
 
-    def _train_state(self, step: int, tb_run: str | None) -> dict:
+    def _train_state(self, step: int, run_id: str | None) -> dict:
         return {"step": step, "lr_scheduler": self.lr_scheduler.state_dict(),
                 "dataloader": self.dataloader.state_dict() if self._global_loader_state() else None,
-                "model_config": self.model_config, "world_size": self.world, "tb_run": tb_run,
+                "model_config": self.model_config, "world_size": self.world, "run_id": run_id,
                 "run_config": self.run_config}
 
     def _rank_state(self) -> dict:
@@ -306,13 +384,58 @@ class Checkpointer:
         # Local datasets: a global row counter, identical on every rank. Streams: one state per rank.
         return "next_row" in self.dataloader.state_dict()
 
-    def _state_dict(self, step: int, tb_run: str | None) -> dict:
+    def _state_dict(self, step: int, run_id: str | None) -> dict:
         return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-                "train": _to_bytes(self._train_state(step, tb_run)), f"rank{self.rank}": _to_bytes(self._rank_state())}
+                "train": _to_bytes(self._train_state(step, run_id)), f"rank{self.rank}": _to_bytes(self._rank_state())}
+
+    # ---- room on the disk ----
+
+    def state_bytes(self) -> int:
+        """About the bytes this rank's share of one checkpoint takes: its model tensors, and AdamW's two moments and
+        step of each trained parameter (the moments in the parameter's dtype, as torch's and our optimizer keep them;
+        counted from the parameters, since before the first step they do not exist yet), each tensor with the
+        ~1.5 KiB of its own record that DCP's torch.save adds (measured: 1.6 KiB a stored item). 3% under the debug
+        model's checkpoints, whose DCP metadata and small states come on top; nothing at 35B-A3B's size."""
+        def local_bytes(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size() + _RECORD_BYTES
+
+        model = sum(local_bytes(t) for t in self.model.state_dict().values())
+        return model + sum(2 * local_bytes(p) + 4 + _RECORD_BYTES for p in self.model.parameters() if p.requires_grad)
+
+    def check_room(self, start_step: int, last_step: int, interval: int) -> None:
+        """Before training: whether the checkpoints this launch will hold at once fit on the checkpoint folder's file
+        system (keep_latest_k of them plus the one being written; all its saves with keep_latest_k 0). A line of
+        warning when they do not; CheckpointError (exit 2, every rank) when not even one fits."""
+        sizes = [self.state_bytes()]
+        if dist.is_initialized():  # as objects: the default group may be NCCL's, which takes no host tensor
+            sizes = [None] * self.world
+            dist.all_gather_object(sizes, self.state_bytes(), group=self.async_group)
+        size = sum(sizes)
+        saves = len([s for s in range(start_step + 1, last_step + 1) if s % interval == 0 or s == last_step])
+        error = None
+        if self.rank == 0 and saves:
+            held = step_folders(self.folder)
+            needed = saves if self.keep_latest_k == 0 else max(1, min(saves, self.keep_latest_k + 1 - len(held)))
+            partial = sum(_size(p) for step, p in _step_dirs(self.folder).items() if step not in held)  # deleted
+            free = shutil.disk_usage(self.folder).free + partial                                     # by a save
+            room = f"one checkpoint takes about {_gib(size)} and {self.folder} has {_gib(free)} free"
+            if free < size:
+                error = (f"not even one checkpoint fits: {room}. Free space, or choose another checkpoint.folder "
+                         "(or job.dump_folder)")
+            elif free < needed * size:
+                kept = (f"the {needed} this run holds at once (checkpoint.keep_latest_k {self.keep_latest_k} and the "
+                        "one being written)" if self.keep_latest_k else f"the {needed} this run saves "
+                        "(checkpoint.keep_latest_k 0 keeps all)")
+                logger.warning("checkpoint: %s: %s do not fit; a save that meets a full disk stops the run (exit 2, "
+                               "the last intact checkpoint kept)", room, kept)
+        error = agreed(error, self.async_group)
+        if error is not None:
+            raise CheckpointError(error, every_rank=True)
 
     # ---- saving ----
 
-    def save(self, step: int, tb_run: str | None = None) -> Path:
+    def save(self, step: int, run_id: str | None = None) -> Path:
         """Save step `step` (waiting first for an async save still in flight). Returns its folder. CheckpointError,
         on every rank, if the file system refuses a write (a full disk): the folder is left without COMPLETE."""
         self.wait()
@@ -320,7 +443,9 @@ class Checkpointer:
         error = None
         if self.rank == 0:
             try:
-                if path.exists():  # an incomplete save of this step, from a run that died: start afresh
+                if path.is_symlink() or _is_complete(path):  # put there since the resume: never deleted, nor followed
+                    _set_aside(self.folder, [path], f"in the way of this run's step-{step}")
+                elif path.exists():  # an incomplete save of this step, from a run that died: start afresh
                     shutil.rmtree(path)
                 path.mkdir(parents=True)
             except OSError as e:
@@ -329,7 +454,7 @@ class Checkpointer:
         if error is not None:
             raise CheckpointError(self._save_error(step, path, error), every_rank=True)
         start = time.perf_counter()
-        state = self._state_dict(step, tb_run)
+        state = self._state_dict(step, run_id)
         if self.async_mode == "async":
             response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.async_group,
                                       no_dist=not dist.is_initialized())
@@ -355,18 +480,27 @@ class Checkpointer:
         names = rank_data_files(path, self.rank) + ([".metadata"] if self.rank == 0 else [])
         return digest_files(path, names, threads)
 
-    @staticmethod
-    def _write_failure(e: BaseException) -> str:
-        """A refused write (an OSError, on any rank: DCP passes its ranks' failures to all) as the error every rank
-        reports; anything else is a fault of the code, raised as it is."""
+    def _write_failure(self, e: BaseException) -> str:
+        """A refused write (on any rank: DCP passes its ranks' failures to all) as the error every rank reports;
+        anything else is a fault of the code, raised as it is. A refused write is an OSError somewhere in the chain
+        of causes, or torch's own writer's RuntimeError, which carries no OSError where the bytes went through
+        its C++ stream (a CUDA tensor's copy is written that way); the file system is asked in that case."""
         cause = _first_cause(e)
         while cause is not None and not isinstance(cause, OSError):
             # torch.save reports a write that failed under it as its own RuntimeError ("unexpected pos"), raised
             # while the OSError propagated
             cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise e
-        return _one_line(cause)
+        if cause is not None:
+            return _one_line(cause)
+        text = _one_line(_first_cause(e))
+        if any(sign in text for sign in _WRITER_FAILURES):
+            try:
+                full = shutil.disk_usage(self.folder).free < _FULL_BYTES
+            except OSError:
+                full = False
+            said = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)  # its C++ source line: no help here
+            return f"{os.strerror(errno.ENOSPC) if full else 'the write failed'} (torch's writer: {said})"
+        raise e
 
     def wait(self) -> None:
         """Complete an async save in flight (its files and their digests, then COMPLETE and pruning)."""
@@ -443,6 +577,9 @@ class Checkpointer:
         metadata = read_metadata(path)
         self._check_model_matches(path, metadata)
         train = _from_bytes(self._load(path, {"train": b""})["train"], "train", path)
+        if train.get("step") != step:  # COMPLETE agreed with the name (verification): its train state must too
+            raise CheckpointError(f"checkpoint {path} holds the state of step {train.get('step')}, not {step}: a copy "
+                                  "of another step's folder? Move it out of the checkpoint folder")
         train.setdefault("run_config", None)
         same_world = train["world_size"] == self.world
         state = {"model": get_model_state_dict(self.model),

@@ -38,6 +38,7 @@ from models.qwen35_moe.hf_checkpoint import (
     HFCheckpointReader,
     export_folder_refusal,
     fresh_temporary_folder,
+    restore_unpublished,
     plan_shards,
     publish_hf_folder,
     shard_names,
@@ -141,6 +142,22 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
             fresh_temporary_folder(folder)
         except OSError as e:
             error, tmp_is_ours = unwritable(tmp, e), not isinstance(e, ExportFolderRefused)
+    try:
+        error = _write_and_publish(folder, args, dtype, specs, fetch, extra_files, shards, tmp, error, unwritable)
+    except KeyboardInterrupt:  # a second Ctrl-C: no partial folder is left, and the earlier export stays in place
+        if rank == 0 and tmp_is_ours:
+            restore_unpublished(folder)
+        raise
+    if error is not None:
+        if rank == 0 and tmp_is_ours:
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+        raise CheckpointError(error, every_rank=True)
+
+
+def _write_and_publish(folder, args, dtype, specs, fetch, extra_files, shards, tmp: Path, error: str | None,
+                       unwritable) -> str | None:
+    """write_hf_folder's shards, then rank 0's publishing; the error every rank agrees on (None: written)."""
+    rank, world = _rank_world()
     if agreed(error) is None:
         for i, (name, keys) in enumerate(zip(shard_names(len(shards)), shards)):
             tensors = fetch(sorted(keys), i % world == rank)
@@ -157,11 +174,7 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
             publish_hf_folder(tmp, folder, args, dtype, shards, specs, extra_files)
         except OSError as e:
             error = unwritable(tmp, e)
-    error = agreed(error)
-    if error is not None:
-        if rank == 0 and tmp_is_ours:
-            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
-        raise CheckpointError(error, every_rank=True)
+    return agreed(error)
 
 
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,

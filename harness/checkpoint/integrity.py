@@ -82,7 +82,7 @@ def rank_0_files(folder: Path) -> list[str]:
 
 
 def write_complete(folder: Path, record: dict) -> None:
-    """COMPLETE, atomically: a save killed while writing it leaves tmp.COMPLETE, never a truncated COMPLETE."""
+    """COMPLETE, atomically: a save killed while writing it leaves a tmp.COMPLETE.<random> file, never a truncated COMPLETE."""
     write_whole(folder / COMPLETE, json.dumps(record, indent=1, sort_keys=True) + "\n", durable=True)
 
 
@@ -92,9 +92,17 @@ def read_complete(folder: Path) -> dict:
         record = json.loads((folder / COMPLETE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"its {COMPLETE} is unreadable ({e})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("files", {}), dict):
+    files = record.get("files", {}) if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(d, dict) and isinstance(d.get("bytes"), int)
+                                              and isinstance(d.get("sha256"), str) for d in files.values()):
         raise ValueError(f"its {COMPLETE} is not a record of this trainer")
     return record
+
+
+def saved_files(folder: Path) -> list[str]:
+    """Every file of a step folder that its COMPLETE must record: each rank's data files, DCP's .metadata and the
+    hf/ files."""
+    return sorted(p.name for p in folder.glob("__*_*.distcp")) + rank_0_files(folder)
 
 
 def checked_by(name: str, rank: int, world: int) -> bool:
@@ -106,8 +114,15 @@ def checked_by(name: str, rank: int, world: int) -> bool:
 
 
 def check_files(folder: Path, record: dict, rank: int = 0, world: int = 1, threads: int = 1) -> str | None:
-    """The first of this rank's files (`checked_by`) that differs from COMPLETE's record, described in a few words;
-    None if all match. A record without digests (saved before they were recorded) has nothing to check."""
+    """The first of this rank's files (`checked_by`) that differs from COMPLETE's record, or that the record leaves
+    out, described in a few words; None if all match. A record without digests (saved before they were recorded)
+    has nothing to check; one whose map leaves out a file the save wrote (an empty map, say) checks nothing of that
+    file, so it fails."""
+    if "files" in record:
+        unrecorded = [n for n in saved_files(folder) if checked_by(n, rank, world) and n not in record["files"]]
+        if unrecorded:
+            more = f" (and {len(unrecorded) - 1} more)" if len(unrecorded) > 1 else ""
+            return f"{COMPLETE} records no digest for {unrecorded[0]}{more}, which the folder holds"
     for name, want in sorted(record.get("files", {}).items()):
         if not checked_by(name, rank, world):
             continue

@@ -273,6 +273,16 @@ def publish_hf_folder(tmp: Path, folder: str | Path, args: Qwen35MoeArgs, dtype:
     return folder
 
 
+def restore_unpublished(folder: str | Path) -> None:
+    """After an export stopped midway (Ctrl-C): the folder as it was before it (an earlier export put back from
+    `<folder>.old` if the stop came between publish_hf_folder's two renames), and no `<folder>.tmp`."""
+    folder = Path(folder).resolve()
+    backup = _set_aside_folder(folder)
+    if backup.exists() and not folder.exists():
+        backup.rename(folder)
+    shutil.rmtree(temporary_folder(folder), ignore_errors=True)
+
+
 def _make_readable(folder: Path) -> None:
     """Give every file 0644 and every folder 0755, less the umask, the modes open() and mkdir() give by default:
     safetensors writes through a private temporary file, which leaves the weights 0600, readable by us alone."""

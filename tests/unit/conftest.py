@@ -1,6 +1,7 @@
 """Fixtures shared by the unit tests."""
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -11,3 +12,16 @@ def one_rank_mesh():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One token cache for every training run of a test module."""
+    return tmp_path_factory.mktemp("dataset_cache")
+
+
+@pytest.fixture
+def deterministic_off_after():
+    """For tests whose runs set training.deterministic: a process-wide switch, kept out of later tests."""
+    yield
+    torch.use_deterministic_algorithms(False)

@@ -12,6 +12,7 @@ import torch
 
 from harness.checkpoint.checkpointer import COMPLETE, step_folders
 from harness.convert import main as convert_main
+from harness.run_lock import LOCK_FILE
 from harness.train import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +41,8 @@ def test_saves_every_interval_and_at_the_end_and_keeps_the_latest_k(tmp_path):
     assert run(tmp_path, "--training.steps", "5", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2") == 0
     steps = step_folders(tmp_path / "checkpoint")
     assert sorted(steps) == [4, 5]  # 2 was pruned
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4", "step-5"]
+    # what is left beside them: the run's lock of its checkpoint folder (harness/run_lock.py)
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [LOCK_FILE, "step-4", "step-5"]
     record = json.loads((steps[5] / COMPLETE).read_text())
     assert (record["step"], record["world_size"]) == (5, 1)
     assert {".metadata", "__0_0.distcp", "hf/config.json", "hf/tokenizer.json"} <= record["files"].keys()

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.checkpoint.checkpointer import ABANDONED, Checkpointer, step_folders
 from harness.checkpoint.integrity import COMPLETE, check_files, file_digest, read_complete
@@ -35,17 +34,9 @@ CORPUS = str(REPO / "data" / "debug_corpus" / "train.jsonl")
 EMBEDDING, ITS_ADAM_STATE = "model.embed_tokens.weight", "optimizer.state.embed_tokens.weight.exp_avg_sq"
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """One token cache for every run of the module."""
-    return tmp_path_factory.mktemp("dataset_cache")
-
-
 @pytest.fixture(autouse=True)
-def deterministic():
+def deterministic(deterministic_off_after):
     """Every run here is deterministic (the comparisons are bitwise)."""
-    yield
-    torch.use_deterministic_algorithms(False)  # a process-wide switch: keep it out of later tests
 
 
 def flags(dump: Path, cache: Path, *extra: str) -> list[str]:
@@ -142,8 +133,8 @@ def test_a_checkpoint_saved_before_checksums_resumes_with_a_warning_and_no_run_c
     now gives back the saving run's config."""
     train_state = Checkpointer._train_state
     with monkeypatch.context() as earlier:
-        earlier.setattr(Checkpointer, "_train_state", lambda self, step, tb_run: {
-            k: v for k, v in train_state(self, step, tb_run).items() if k != "run_config"})
+        earlier.setattr(Checkpointer, "_train_state", lambda self, step, run_id: {
+            k: v for k, v in train_state(self, step, run_id).items() if k != "run_config"})
         assert run(tmp_path, cache, "--training.steps", "3", "--checkpoint.interval", "1") == 0
     uninterrupted = losses(tmp_path)
     shutil.rmtree(tmp_path / "checkpoint" / "step-3")
@@ -260,12 +251,13 @@ def test_a_full_disk_during_a_save_stops_with_one_line_and_keeps_the_earlier_che
 
 def test_a_full_disk_during_the_hf_export_stops_with_one_line_and_leaves_the_earlier_export(
         tmp_path, cache, capsys, monkeypatch):
-    export = ["--checkpoint.enable", "false", "--checkpoint.export_hf_at_end", "true", "--training.steps", "1"]
-    assert run(tmp_path, cache, *export) == 0
+    """The relaunch continues the line (it resumes step 1), so its export would replace the earlier one in place."""
+    export = ["--checkpoint.export_hf_at_end", "true", "--checkpoint.interval", "1"]
+    assert run(tmp_path, cache, *export, "--training.steps", "1") == 0
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
     disk_fills_during_hf_writes(monkeypatch)
     capsys.readouterr()
-    assert run(tmp_path, cache, *export, "--training.seed", "7") == 2  # other weights, were they written
+    assert run(tmp_path, cache, *export, "--training.steps", "2") == 2  # other weights, were they written
     err = capsys.readouterr().err
     assert len(errors(err)) == 1 and "Traceback" not in err
     assert errors(err)[0].startswith(f"error: cannot write the Hugging Face folder {tmp_path / 'hf'}: ")
@@ -327,7 +319,7 @@ def test_a_train_state_holding_objects_is_refused_not_unpickled(tmp_path, cache,
     marker = tmp_path / "code-ran"
     train_state = Checkpointer._train_state
     monkeypatch.setattr(Checkpointer, "_train_state",
-                        lambda self, step, tb_run: {**train_state(self, step, tb_run), "extra": _Touches(marker)})
+                        lambda self, step, run_id: {**train_state(self, step, run_id), "extra": _Touches(marker)})
     assert run(tmp_path, cache, "--training.steps", "1") == 0
     monkeypatch.undo()
     capsys.readouterr()

@@ -111,3 +111,54 @@ def test_a_folder_that_cannot_be_created_is_refused_in_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(RunLockError, match=r"cannot lock .*file/run/\.lock: .*; choose another job.dump_folder"):
         acquire_run_lock(str(tmp_path / "file" / "run"), 0)
+
+
+def test_two_runs_with_one_absolute_checkpoint_folder_are_refused_naming_the_setting(tmp_path, capsys):
+    """Different dump folders, one absolute checkpoint.folder: the second launch meets the first's lock there, and
+    writes nothing into it (before, both saved steps there and one resumed the other's weights)."""
+    shared = tmp_path / "shared_checkpoints"
+    from harness.config import DEFAULT_CONFIG, load_config
+    from harness.run_lock import written_folders
+
+    first = load_config(["--config", str(DEFAULT_CONFIG), "--job.dump_folder", str(tmp_path / "a"),
+                         "--checkpoint.enable", "true", "--checkpoint.folder", str(shared)])
+    held = acquire_run_lock(written_folders(first), 0)
+    try:
+        before = sorted(shared.rglob("*"))
+        capsys.readouterr()
+        assert main([*FAST, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "b"),
+                     "--checkpoint.enable", "true", "--checkpoint.folder", str(shared)]) == BAD_INPUT
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: {shared} is in use by the run on host ")
+        assert err.rstrip().endswith("choose another checkpoint.folder")
+        assert sorted(shared.rglob("*")) == before
+    finally:
+        held.release()
+
+
+def test_a_lock_file_planted_as_a_link_or_a_hard_link_is_refused_and_its_target_never_written(tmp_path, capsys):
+    victim = tmp_path / "victims_file"
+    victim.write_text("the user's own data\n")
+    for plant in (os.symlink, os.link):
+        folder = tmp_path / plant.__name__
+        folder.mkdir()
+        plant(victim, folder / LOCK_FILE)
+        capsys.readouterr()
+        assert main([*FAST, "--training.steps", "1", "--job.dump_folder", str(folder)]) == BAD_INPUT
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: cannot lock {folder / LOCK_FILE}: it is ")
+        assert victim.read_text() == "the user's own data\n"
+
+
+def test_a_temporary_file_name_planted_as_a_link_is_never_written_through(tmp_path):
+    """The resolved config is written through a temporary file beside config.toml: a link planted at the name an
+    earlier version used (tmp.config.toml) is left alone, as is its target; config.toml is a file of its own."""
+    victim = tmp_path / "victims_file"
+    victim.write_text("the user's own data\n")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "tmp.config.toml").symlink_to(victim)
+    assert main([*FAST, "--training.steps", "1", "--job.dump_folder", str(folder)]) == 0
+    assert victim.read_text() == "the user's own data\n"
+    assert (folder / "config.toml").is_file() and not (folder / "config.toml").is_symlink()
+    assert "[training]" in (folder / "config.toml").read_text()

@@ -1,0 +1,116 @@
+"""The outputs a dump folder holds for one line of training, and what a launch does with those of another line.
+
+A line of training is a run and every relaunch that resumes its checkpoints. Its id (`new_run_id`: the start time
+and a random suffix) is saved in each checkpoint it writes and names its TensorBoard folder, tb/<id>. The dump
+folder's metrics.jsonl, config.toml and hf/ (the end-of-run export) belong to one line, the one run.json beside them
+names. A launch makes them its own line's before it writes any (`claim_outputs`, rank 0):
+
+- resuming a checkpoint of the line run.json names: nothing moves (metrics.jsonl then keeps its records up to the
+  checkpoint's step: harness/metrics.py);
+- starting afresh (nothing to resume), or resuming a checkpoint of another line: the outputs there are moved aside
+  under names carrying their line's id (metrics-<id>.jsonl, config-<id>.toml, hf-<id>/), with one log line; a resume
+  then moves its own line's back from where an earlier launch set them aside.
+
+So a fresh relaunch never empties another run's metrics or replaces its export, and a resume continues exactly the
+records of its own line. Nothing is deleted; a rename moves a link itself, never what it points to. Outputs found
+without a run.json (written before lines were named) count as their own unnamed line, named by their time
+("earlier-<time>") when set aside; a checkpoint saved before lines were named continues the folder's line as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+from .atomic_file import write_whole
+
+RUN_FILE = "run.json"
+METRICS, CONFIG, EXPORT = "metrics.jsonl", "config.toml", "hf"
+OUTPUTS = (METRICS, CONFIG, EXPORT)
+
+
+class OutputError(RuntimeError):
+    """A file of the run's dump folder that the file system refused (a full disk, no permission): harness/train.py
+    prints it as one `error:` line and exits 2 (from rank 0 alone when `every_rank`: a verdict all ranks share)."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def set_aside_name(name: str, run_id: str) -> str:
+    """metrics.jsonl -> metrics-<id>.jsonl, config.toml -> config-<id>.toml, hf -> hf-<id>."""
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}-{run_id}{dot}{suffix}"
+
+
+def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: str) -> tuple[str, str | None]:
+    """Make the dump folder's outputs those of line `line` (the resumed checkpoint's; None: a fresh start, or a
+    checkpoint saved before lines were named). Returns the line's id (new for a fresh start) and the log line saying
+    what was set aside or brought back (None when nothing moved). `model` describes the run, for the next launch's
+    line. OutputError when the file system refuses a move."""
+    folder = Path(folder)
+    moved, restored = [], []
+    try:
+        current = _read_run_file(folder)
+        if resumed and (line is None or (current is not None and current["run"] == line)):
+            line = line or (current["run"] if current is not None else new_run_id())  # the folder's line goes on
+        else:
+            line = line or new_run_id()
+            present = [name for name in OUTPUTS if os.path.lexists(folder / name)]
+            other = current["run"] if current is not None else _unnamed(folder, present)
+            moved = [_rename(folder, name, set_aside_name(name, other)) for name in present]
+            if resumed:
+                restored = [_rename(folder, set_aside_name(name, line), name) for name in OUTPUTS
+                            if os.path.lexists(folder / set_aside_name(name, line))]
+        if current is None or current["run"] != line:
+            write_whole(folder / RUN_FILE, json.dumps({"run": line, "model": model}) + "\n")
+    except OSError as e:
+        raise OutputError(f"cannot set up the outputs of dump folder {folder}: {e}; free space or fix its "
+                          "permissions, or choose another job.dump_folder") from None
+    if not moved and not restored:
+        return line, None
+    return line, _describe(folder, current, moved, restored, model)
+
+
+def _describe(folder: Path, current: dict | None, moved: list[str], restored: list[str], model: str) -> str:
+    held = f"the run {current['run']} ({current.get('model', '?')})" if current is not None else "an earlier run"
+    parts = []
+    if moved:
+        parts.append(f"{folder} held the outputs of {held}: kept as {', '.join(moved)}")
+    if restored:
+        parts.append(f"this run's own, set aside by an earlier launch, are back: {', '.join(restored)}")
+    return "; ".join(parts) + f" (this run: {model})"
+
+
+def _read_run_file(folder: Path) -> dict | None:
+    try:
+        record = json.loads((folder / RUN_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # unreadable or damaged: its outputs count as an unnamed line's
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("run"), str) else None
+
+
+def _unnamed(folder: Path, present: list[str]) -> str:
+    """An id for outputs written before lines were named: the time of the newest of them."""
+    newest = max((os.lstat(folder / name).st_mtime for name in present), default=time.time())
+    return "earlier-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(newest))
+
+
+def _rename(folder: Path, name: str, new: str) -> str:
+    """`name` renamed to `new` in `folder` (never over an existing entry: a suffix is added); returns the name."""
+    target, n = new, 1
+    while os.path.lexists(folder / target):
+        stem, dot, suffix = new.partition(".")
+        target, n = f"{stem}.{n}{dot}{suffix}", n + 1
+    os.rename(folder / name, folder / target)
+    return target

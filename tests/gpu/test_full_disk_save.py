@@ -1,0 +1,34 @@
+"""A checkpoint of CUDA tensors meeting a full disk: the same one-line CheckpointError (exit 2) as on CPU, the folder
+left without COMPLETE. DCP copies CUDA tensors to the host through its overlapping loader and writes them with
+torch.save's C++ writer, which reports the failed write as its own RuntimeError."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from harness.checkpoint.checkpointer import COMPLETE, Checkpointer, CheckpointError
+from tests.checkpoint_faults import disk_fills_during_dcp_writes
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class _Rows:
+    """A data loader's position, as Checkpointer saves it."""
+
+    def state_dict(self) -> dict:
+        return {"next_row": 0}
+
+
+def test_a_full_disk_during_a_save_of_cuda_tensors_is_one_checkpoint_error(tmp_path, monkeypatch):
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    optimizer.step()
+    checkpointer = Checkpointer(tmp_path, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1),
+                                _Rows(), keep_latest_k=2, async_mode="disabled", model_config={})
+    disk_fills_during_dcp_writes(monkeypatch, under="step-1")
+    with pytest.raises(CheckpointError, match=r"cannot save checkpoint step-1 to .*: .*No space left on device"):
+        checkpointer.save(1)
+    assert (tmp_path / "step-1").is_dir() and not (tmp_path / "step-1" / COMPLETE).exists()

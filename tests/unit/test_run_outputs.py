@@ -1,0 +1,70 @@
+"""A dump folder's metrics.jsonl, config.toml and hf/ belong to one line of training (harness/run_outputs.py): a fresh
+relaunch sets another run's aside instead of emptying or replacing them, and a resume continues exactly the records
+of its own line, even after another run has used the folder in between."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.train import main
+
+FAST = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
+        "--checkpoint.export_hf_at_end", "false", "--metrics.log_freq", "1"]
+
+
+def run(folder: Path, *flags: str) -> int:
+    return main([*FAST, "--job.dump_folder", str(folder), *flags])
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_id(folder: Path) -> str:
+    return json.loads((folder / "run.json").read_text())["run"]
+
+
+def test_a_fresh_relaunch_keeps_the_earlier_runs_records_aside_and_says_so(tmp_path, capsys):
+    assert run(tmp_path, "--training.steps", "5") == 0
+    first, first_id = records(tmp_path / "metrics.jsonl"), run_id(tmp_path)
+    first_config = (tmp_path / "config.toml").read_text()
+    capsys.readouterr()
+    assert run(tmp_path, "--training.steps", "2", "--optimizer.lr", "1e-4") == 0
+    err = capsys.readouterr().err
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]  # this run's line alone
+    assert records(tmp_path / f"metrics-{first_id}.jsonl") == first  # the earlier run's, whole
+    assert (tmp_path / f"config-{first_id}.toml").read_text() == first_config
+    said = [line for line in err.splitlines() if f"held the outputs of the run {first_id}" in line]
+    assert len(said) == 1 and f"metrics-{first_id}.jsonl" in said[0] and f"config-{first_id}.toml" in said[0]
+    assert run_id(tmp_path) != first_id
+
+
+def test_a_resume_after_another_run_used_the_folder_continues_exactly_its_own_records(tmp_path):
+    """A checkpointed run, an uncheckpointed relaunch into the same folder, then a resume of the first: the file
+    holds the first run's steps 1-5 as it logged them, then 6-7; the relaunch's step is kept aside."""
+    saved = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    assert run(tmp_path, *saved, "--training.steps", "5") == 0
+    first, first_id = records(tmp_path / "metrics.jsonl"), run_id(tmp_path)
+    assert run(tmp_path, "--training.steps", "1", "--training.seed", "3") == 0
+    other_id = run_id(tmp_path)
+    assert run(tmp_path, *saved, "--training.steps", "7") == 0
+    resumed = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7] and resumed[:5] == first
+    assert run_id(tmp_path) == first_id
+    assert [r["step"] for r in records(tmp_path / f"metrics-{other_id}.jsonl")] == [1]
+    assert not (tmp_path / f"metrics-{first_id}.jsonl").exists()  # brought back, not copied
+
+
+def test_the_mtp_example_after_the_quick_start_keeps_the_quick_starts_export(tmp_path, capsys):
+    """README's quick start, then its MTP example, both writing one dump folder with an export at the end."""
+    export = ["--checkpoint.export_hf_at_end", "true", "--training.steps", "1"]
+    assert run(tmp_path, *export) == 0
+    first_id = run_id(tmp_path)
+    exported = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    capsys.readouterr()
+    assert run(tmp_path, *export, "--model.flavor", "debugmodel_mtp") == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "held the outputs of the run" in line]
+    assert len(said) == 1 and "model.flavor debugmodel)" in said[0] and "this run: model.flavor debugmodel_mtp" in said[0]
+    assert {p.name: p.read_bytes() for p in (tmp_path / f"hf-{first_id}").iterdir()} == exported
+    assert "mtp" in (tmp_path / "hf" / "config.json").read_text()  # the new run's export where it belongs
