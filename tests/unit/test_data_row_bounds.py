@@ -167,3 +167,17 @@ def test_a_long_document_in_a_cache_and_a_stream_has_the_ids_of_one_call(tmp_pat
     stream = [int(t) for batch in build_dataloader("hf", "fake/corpus", "text", tok, 64, 1, infinite=False)
               for t in batch["input_ids"][0]]
     assert stream == want[:len(stream)] and len(stream) > len(want) - 65 and max(calls) < 2 * 256 + 64
+
+
+@pytest.mark.parametrize("unit_bytes", [50, 97, 10_000])
+def test_rows_over_the_limit_are_left_out_the_same_whatever_the_work_units(tmp_path, unit_bytes):
+    """A line passed over unread still moves the reader to the next line, also where it crosses a unit boundary."""
+    from harness.data.sources import Row, read_unit, source_units
+
+    rows = [{"messages": f"m{i}", "pad": "x" * (i * 37 % 300)} for i in range(60)]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = [item.value["messages"] if isinstance(item, Row) else item.locate()
+           for unit in source_units("jsonl", [source], unit_bytes)
+           for item in read_unit("jsonl", unit, "messages", rows=True, max_row_bytes=150)]
+    assert got == [r["messages"] if len(json.dumps(r)) <= 150 else f"{source}:{i + 1}" for i, r in enumerate(rows)]
