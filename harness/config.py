@@ -59,6 +59,10 @@ class Job:
     name: str = "qwen35_moe"  # run name: prefixes every log line and console metrics line
     dump_folder: str = "./outputs"  # metrics, tensorboard, checkpoints and HF export go under here (relative: to the current directory)
     description: str = ""  # free text, kept in the saved config.toml
+    # Another run's metrics.jsonl, config.toml and hf/ found in the dump folder by a launch that does not continue that
+    # run (harness/run_outputs.py): "keep" renames them <name>-<its run id> (one log line; a resume of that run brings
+    # them back), "delete" deletes them (one log line).
+    other_run_outputs: Literal["keep", "delete"] = "keep"
 
 
 @dataclass

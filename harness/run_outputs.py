@@ -8,11 +8,12 @@ names. A launch makes them its own line's before it writes any (`claim_outputs`,
 - resuming a checkpoint of the line run.json names: nothing moves (metrics.jsonl then keeps its records up to the
   checkpoint's step: harness/metrics.py);
 - starting afresh (nothing to resume), or resuming a checkpoint of another line: the outputs there are moved aside
-  under names carrying their line's id (metrics-<id>.jsonl, config-<id>.toml, hf-<id>/), with one log line; a resume
-  then moves its own line's back from where an earlier launch set them aside.
+  under names carrying their line's id (metrics-<id>.jsonl, config-<id>.toml, hf-<id>/), with one log line (deleted
+  instead where job.other_run_outputs = "delete"); a resume then moves its own line's back from where an earlier
+  launch set them aside.
 
 So a fresh relaunch never empties another run's metrics or replaces its export, and a resume continues exactly the
-records of its own line. Nothing is deleted; a rename moves a link itself, never what it points to. Outputs found
+records of its own line. Nothing is deleted unless asked; a rename moves a link itself, never what it points to. Outputs found
 without a run.json (written before lines were named) count as their own unnamed line, named by their time
 ("earlier-<time>") when set aside; a checkpoint saved before lines were named continues the folder's line as it is.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -51,11 +53,13 @@ def set_aside_name(name: str, run_id: str) -> str:
     return f"{stem}-{run_id}{dot}{suffix}"
 
 
-def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: str) -> tuple[str, str | None]:
+def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: str,
+                  keep_others: bool = True) -> tuple[str, str | None]:
     """Make the dump folder's outputs those of line `line` (the resumed checkpoint's; None: a fresh start, or a
     checkpoint saved before lines were named). Returns the line's id (new for a fresh start) and the log line saying
-    what was set aside or brought back (None when nothing moved). `model` describes the run, for the next launch's
-    line. OutputError when the file system refuses a move."""
+    what was set aside, deleted (`keep_others` False: job.other_run_outputs = "delete") or brought back (None when
+    nothing moved). `model` describes the run, for the next launch's line. OutputError when the file system refuses
+    a move."""
     folder = Path(folder)
     moved, restored = [], []
     try:
@@ -66,7 +70,8 @@ def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: st
             line = line or new_run_id()
             present = [name for name in OUTPUTS if os.path.lexists(folder / name)]
             other = current["run"] if current is not None else _unnamed(folder, present)
-            moved = [_rename(folder, name, set_aside_name(name, other)) for name in present]
+            moved = [_rename(folder, name, set_aside_name(name, other)) if keep_others else _delete(folder, name)
+                     for name in present]
             if resumed:
                 restored = [_rename(folder, set_aside_name(name, line), name) for name in OUTPUTS
                             if os.path.lexists(folder / set_aside_name(name, line))]
@@ -77,14 +82,16 @@ def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: st
                           "permissions, or choose another job.dump_folder") from None
     if not moved and not restored:
         return line, None
-    return line, _describe(folder, current, moved, restored, model)
+    return line, _describe(folder, current, moved, restored, model, keep_others)
 
 
-def _describe(folder: Path, current: dict | None, moved: list[str], restored: list[str], model: str) -> str:
+def _describe(folder: Path, current: dict | None, moved: list[str], restored: list[str], model: str,
+              kept: bool) -> str:
     held = f"the run {current['run']} ({current.get('model', '?')})" if current is not None else "an earlier run"
     parts = []
     if moved:
-        parts.append(f"{folder} held the outputs of {held}: kept as {', '.join(moved)}")
+        done = "kept as" if kept else "deleted (job.other_run_outputs = 'delete'):"
+        parts.append(f"{folder} held the outputs of {held}: {done} {', '.join(moved)}")
     if restored:
         parts.append(f"this run's own, set aside by an earlier launch, are back: {', '.join(restored)}")
     return "; ".join(parts) + f" (this run: {model})"
@@ -104,6 +111,16 @@ def _unnamed(folder: Path, present: list[str]) -> str:
     """An id for outputs written before lines were named: the time of the newest of them."""
     newest = max((os.lstat(folder / name).st_mtime for name in present), default=time.time())
     return "earlier-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(newest))
+
+
+def _delete(folder: Path, name: str) -> str:
+    """`name` deleted from `folder` (a link itself, never what it points to); returns the name."""
+    path = folder / name
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    return name
 
 
 def _rename(folder: Path, name: str, new: str) -> str:

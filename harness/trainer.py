@@ -160,7 +160,8 @@ class Trainer:
         if self.rank == 0:
             model = self.cfg.model.hf_config or f"model.flavor {self.cfg.model.flavor}"
             try:
-                found = list(claim_outputs(self.cfg.job.dump_folder, line, resumed, model))
+                found = list(claim_outputs(self.cfg.job.dump_folder, line, resumed, model,
+                                           keep_others=self.cfg.job.other_run_outputs == "keep"))
             except OutputError as e:
                 found = [None, str(e)]
         if torch.distributed.is_initialized():

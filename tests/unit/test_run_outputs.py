@@ -68,3 +68,14 @@ def test_the_mtp_example_after_the_quick_start_keeps_the_quick_starts_export(tmp
     assert len(said) == 1 and "model.flavor debugmodel)" in said[0] and "this run: model.flavor debugmodel_mtp" in said[0]
     assert {p.name: p.read_bytes() for p in (tmp_path / f"hf-{first_id}").iterdir()} == exported
     assert "mtp" in (tmp_path / "hf" / "config.json").read_text()  # the new run's export where it belongs
+
+
+def test_asked_to_delete_another_runs_outputs_a_fresh_launch_does_so_and_says_so(tmp_path, capsys):
+    assert run(tmp_path, "--training.steps", "1") == 0
+    first_id = run_id(tmp_path)
+    capsys.readouterr()
+    assert run(tmp_path, "--training.steps", "2", "--job.other_run_outputs", "delete") == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if f"held the outputs of the run {first_id}" in line]
+    assert len(said) == 1 and "deleted (job.other_run_outputs = 'delete'): metrics.jsonl, config.toml" in said[0]
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert not list(tmp_path.glob(f"*{first_id}*"))
