@@ -112,7 +112,7 @@ def test_bad_data_met_by_one_hidden_rank_mid_training_is_its_one_error_line_and_
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors == ["[rank1]:error: row 7 of shard 3 is damaged"], result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
-    steps = sorted(p.name for p in (tmp_path / "o" / "checkpoint").iterdir())
+    steps = sorted(p.name for p in (tmp_path / "o" / "checkpoint").glob("step-*"))
     assert steps == ["step-10"] and (tmp_path / "o" / "checkpoint" / "step-10" / "COMPLETE").is_file()
 
 
