@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class StepProfiler:
-    """Call `step(n)` after each training step n, and `close()` at the end."""
+    """Call `step(n)` after each training step n, and `close()` at the end (or use it as a context manager)."""
 
     def __init__(self, cfg: JobConfig, rank: int, device: torch.device, start_step: int):
         p = cfg.profiling
@@ -52,6 +52,12 @@ class StepProfiler:
             folder = self._folder(self.snapshot_dir, step)
             with open(os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle"), "wb") as f:
                 pickle.dump(torch.cuda.memory._snapshot(), f)
+
+    def __enter__(self) -> "StepProfiler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if self.profiler is not None:

@@ -7,6 +7,7 @@ needs none.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from datetime import timedelta
@@ -52,3 +53,26 @@ def cpu_process_group() -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
     return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+class GarbageSchedule:
+    """Python's cyclic garbage collector run every `freq` steps (its young generations), not whenever allocations
+    trigger it: a collection pauses the host mid-step, and with the GPU fed by the host (compile) that stalls the
+    GPU too. `freq` 0: Python's own schedule. A context manager: the collector is back on its own when it ends."""
+
+    def __init__(self, freq: int):
+        self.freq = freq
+
+    def __enter__(self) -> "GarbageSchedule":
+        if self.freq:
+            gc.disable()
+            gc.collect(1)
+        return self
+
+    def step(self, step: int) -> None:
+        if self.freq and step % self.freq == 0:
+            gc.collect(1)
+
+    def __exit__(self, *exc) -> None:
+        if self.freq:
+            gc.enable()

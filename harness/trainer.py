@@ -7,7 +7,6 @@ dims and mesh, tokenizer, model (model_setup), optimizer and LR schedule, data, 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import math
 import os
@@ -15,15 +14,14 @@ import time
 
 import torch
 
-from models.qwen35_moe.documents import document_layout, to_device
 from models.qwen35_moe.moe import RouterStats
-from models.qwen35_moe.mtp import mtp_rows
 from parallel.expert_parallel import scale_expert_gradients
 from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
 from .atomic_file import write_whole
+from .batch import ModelInputs
 from .checkpoint.checkpointer import Checkpointer, step_folders, verified_resume_step
 from .checkpoint.hf_weights import check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
@@ -31,14 +29,7 @@ from .data.chat import chat_options
 from .data.loader import build_dataloader
 from .loss import balance_loss_share, global_label_tokens, routing_loads
 from .optim.lr_schedule import build_lr_scheduler
-from .metrics import (
-    DeviceClock,
-    MetricsLogger,
-    max_memory_gib,
-    mean_attended_keys,
-    peak_flops,
-    training_flops_per_token,
-)
+from .metrics import DeviceClock, MetricsLogger, mean_attended_keys, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args, trains_mtp
 from .optim.fast_adam import FastAdam
 from .optim.optimizer import build_optimizer
@@ -47,34 +38,20 @@ from .profiling import StepProfiler
 from .resume_config import apply_optimizer_settings, other_changes
 from .run_lock import acquire_run_lock, written_folders
 from .run_outputs import OutputError, claim_outputs
-from .runtime import cpu_process_group, init_process_group, pick_device, set_seed
+from .runtime import GarbageSchedule, cpu_process_group, init_process_group, pick_device, set_seed
+from .step_metrics import StepLog, StepValues, TrainingDivergedError
 from .data.tokenizer import build_tokenizer
 from .validation import Validator
 
 logger = logging.getLogger(__name__)
 
 
-class TrainingDivergedError(RuntimeError):
-    """The loss became NaN or infinite; nothing was saved for that step."""
+__all__ = ["Trainer", "TrainingDivergedError"]
 
 
-class StepValues:
-    """A step's values (`Trainer._step`), copied to the host as soon as the step's kernels have run: reading them
-    waits for that step only. (Read from the device, they would wait for every kernel queued after them too, the
-    next step's included.) `ended`: the moment the step ended on the device (metrics.DeviceClock)."""
-
-    def __init__(self, values: torch.Tensor, clock: DeviceClock):
-        if values.device.type == "cuda":
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.host.copy_(values, non_blocking=True)
-        else:
-            self.host = values
-        self.ended = clock.now()
-
-    def read(self) -> list[float]:
-        if isinstance(self.ended, torch.cuda.Event):
-            self.ended.synchronize()
-        return self.host.tolist()
+def attended_keys(batches: list[dict[str, torch.Tensor]]) -> float:
+    """The mean number of keys a query attends to in these micro-batches' rows (for MFU)."""
+    return sum(mean_attended_keys(b["position_ids"]) for b in batches) / len(batches)
 
 
 class Trainer:
@@ -110,6 +87,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
                                                s.decay_type, s.min_lr_factor)
 
+        self.model_inputs = ModelInputs(self.model, self.device, cfg.training.loss_chunk_tokens)  # harness/batch.py
         dp_rank = self.meshes.dp_rank if self.meshes is not None else 0  # CP ranks of one DP rank: same rows
         t = cfg.training
         cache_dir = t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache")
@@ -144,10 +122,13 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, self.run_id, enabled=self.rank == 0,
                                      job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None)
-        self.peak_flops = peak_flops(self.device)
         self.clock = DeviceClock(self.device)
-        self.last: dict[str, float] = {}
-        self.pending: list[tuple[int, StepValues]] = []  # (step, its unread `_step` values) since the last read
+        tokens_per_step = t.local_batch_size * t.seq_len * self.layout.grad_accum_steps // self.dims.cp
+        self.steps = StepLog(self.metrics, self.clock, self.device, tokens_per_step,  # harness/step_metrics.py
+                             lambda keys: training_flops_per_token(self.model_args, keys, self.train_mtp),
+                             peak_flops(self.device))
+        self.reported = ("loss", "aux_loss", "grad_norm", "expert_load", *(("mtp_loss",) if self.train_mtp else ()),
+                         *(("ep_rank_load",) if self.dims.ep > 1 else ()))
         self.started = time.perf_counter()
         self.exporting = False  # whether the end-of-run export is being written (what_is_saved)
         if self.rank == 0:
@@ -195,39 +176,15 @@ class Trainer:
                               "first") from None
         logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
 
-    def model_inputs(self, batch: dict[str, torch.Tensor], mtp: bool = False) -> dict:
-        """The model's keyword arguments for a micro-batch of (host) rows: this rank's share of them on the device
-        (all of them, or its zigzag chunks under CP), and their document layout derived on the host (under CP from
-        the whole rows, which every CP rank holds), so that neither costs a GPU sync. `mtp`: with the MTP layers'
-        shifted inputs and targets, built from the whole rows (so that under CP the shifts cross chunks and ranks)."""
-        positions = batch["position_ids"]
-        extra = {}
-        if mtp:
-            batch = {**batch, **mtp_rows(batch["input_ids"], batch["labels"], positions,
-                                         self.model_args.mtp_num_hidden_layers)}
-        # Always the packed layout, also for rows that hold one document each: one path through the kernels and
-        # the compiled graphs whatever the data (documents.document_layout).
-        cp = self.model.context_parallel
-        if cp is None:
-            layout = document_layout(positions, *positions.shape, positions.device, packed=True)
-        else:
-            layout = cp.rows_layout(positions, packed=True, segments=True)
-            batch = cp.shard_rows(batch)
-        if mtp:
-            extra = {"mtp": True, "mtp_input_ids": to_device(batch["mtp_input_ids"], self.device),
-                     "mtp_labels": to_device(batch["mtp_labels"], self.device)}
-        return {"input_ids": to_device(batch["input_ids"], self.device), "labels": to_device(batch["labels"], self.device),
-                "layout": layout.to(self.device), "loss_chunk_tokens": self.cfg.training.loss_chunk_tokens, **extra}
-
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """One optimizer step over the global batch (this data-parallel rank's rows); returns the global loss,
-        balance loss and grad norm (and raises TrainingDivergedError if they are not finite)."""
-        return self._read([(self.step, StepValues(self._step(microbatches), self.clock))])
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepValues:
+        """One optimizer step over the global batch (this data-parallel rank's micro-batches of host rows). Returns its
+        values unread (`.read()`: the global loss, balance loss, grad norm, routing loads; TrainingDivergedError if
+        they are not finite): reading them is a host sync, which the loop makes only when it logs or saves."""
+        return StepValues(self.step, self._step(microbatches), self.clock, self.reported)
 
     def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step; returns (loss, aux_loss, mtp_loss, grad_norm, expert_load, ep_rank_load) on the
-        device, unread: reading them is a host sync, done every metrics.log_freq steps and before any save
-        (`_read`)."""
+        device."""
         self.optimizer.zero_grad(set_to_none=True)
         distributed = self.meshes is not None
         inputs = [self.model_inputs(mb, mtp=self.train_mtp) for mb in microbatches]
@@ -280,131 +237,58 @@ class Trainer:
         loads = routing_loads(step_counts, self.dims.ep).to(losses.dtype)
         return torch.cat((losses, grad_norm.reshape(1).to(losses.dtype), loads))
 
-    def read_pending(self, through: int | None = None) -> dict[str, float]:
-        """Read the steps run since the last read, up to step `through` (all by default; see `_read`); returns the
-        last read step's values."""
-        ready = [entry for entry in self.pending if through is None or entry[0] <= through]
-        if ready:
-            self.last, self.pending = self._read(ready), self.pending[len(ready):]
-        return self.last
-
-    def _read(self, pending: list[tuple[int, StepValues]]) -> dict[str, float]:
-        """Read the unread steps' values (`_step`) in one host sync; raise at the first non-finite
-        one. Returns the last step's values."""
-        values = [v.read() for _, v in pending]
-        for (step, _), (loss, aux_loss, mtp_loss, grad_norm, *_) in zip(pending, values):
-            if not all(map(math.isfinite, (loss, mtp_loss, grad_norm))):
-                mtp = f", MTP loss {mtp_loss}" if self.train_mtp else ""
-                raise TrainingDivergedError(
-                    f"step {step}: loss is {loss}{mtp}, grad norm {grad_norm}; stopping without saving "
-                    f"this step. Lower optimizer.lr or check the data.")
-        loss, aux_loss, mtp_loss, grad_norm, expert_load, ep_rank_load = values[-1]
-        read = {"loss": loss, "aux_loss": aux_loss, "grad_norm": grad_norm, "expert_load": expert_load}
-        if self.train_mtp:
-            read["mtp_loss"] = mtp_loss
-        if self.dims.ep > 1:
-            read["ep_rank_load"] = ep_rank_load
-        return read
-
     def train(self) -> dict[str, float]:
-        cfg = self.cfg
-        if self.step >= cfg.training.steps and self.rank == 0:
+        """The loop (docs/design.md, "A training step"): a step, its metrics when due, validation and a save when due,
+        a stop when every rank has agreed on one. Returns the last read step's values."""
+        cfg, last = self.cfg, self.cfg.training.steps
+        if self.step >= last and self.rank == 0:
             logger.info("nothing to train: resumed at step %d, and training.steps is %d (raise it to train on)",
-                        self.step, cfg.training.steps)
-        accum = self.layout.grad_accum_steps
-        data = iter(self.dataloader)
-        tokens_per_step_local = cfg.training.local_batch_size * cfg.training.seq_len * accum // self.dims.cp
-        # (step, mean attended keys, lr, the moments it began and ended on the device) of the steps not yet logged
-        window: list[tuple[int, float, float, object, object]] = []
-        step_start = self.clock.now()
-        log_due = None  # a step whose metrics are due, logged once the next step is queued (see below)
+                        self.step, last)
+        data, accum = iter(self.dataloader), self.layout.grad_accum_steps
         self.model.train()
-        profiler = StepProfiler(cfg, self.rank, self.device, start_step=self.step)
-        gc_freq = cfg.training.gc_freq
-        reshard_auto = cfg.parallelism.fsdp_reshard_after_forward == "auto"
-        pause = False  # whether something other than training ran since the last step
-
-        def log(step: int) -> None:
-            nonlocal window
-            last = self.read_pending(through=step)  # the host waits for the GPU to finish `step` here
-            done, window = [w for w in window if w[0] <= step], [w for w in window if w[0] > step]
-            # The device's time for these steps, however late the host reads them (metrics.DeviceClock)
-            seconds = sum(self.clock.seconds(began, ended) for *_, began, ended in done)
-            tps = len(done) * tokens_per_step_local / seconds  # per device, as torchtitan reports it
-            # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
-            flops = training_flops_per_token(self.model_args, sum(w[1] for w in done) / len(done), self.train_mtp)
-            mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
-            self.metrics.log(step, {**last, "lr": done[-1][2], "tokens_per_sec": tps, "mfu": mfu,
-                                    "max_memory_gib": max_memory_gib(self.device)})
-
-        if gc_freq:
-            gc.disable()
-            gc.collect(1)
-        try:
-            while self.step < cfg.training.steps:
-                self.step += 1
-                if gc_freq and self.step % gc_freq == 0:
-                    gc.collect(1)
-                lr = self.optimizer.param_groups[0]["lr"]
-                batches = [next(data) for _ in range(accum)]
-                values = StepValues(self._step(batches), self.clock)
-                self.pending.append((self.step, values))
-                window.append((self.step, sum(mean_attended_keys(b["position_ids"]) for b in batches) / accum, lr,
-                               step_start, values.ended))
-                step_start = values.ended
-                if reshard_auto:  # the launch's first step: its peak is known once it is read
-                    self.read_pending()
-                    line = keep_if_it_fits(self.model, self.device, self.cpu_group)
-                    if line is not None and self.rank == 0:
-                        logger.info(line)
-                    reshard_auto = False
-                    pause = True
-                profiler.step(self.step)
-                # A due step is logged one step late, once this step is queued: reading it then does not drain
-                # the GPU's queue, which with log_freq 1 left the GPU idle at every step's start while the host
-                # queued the next forward. The first and last steps, and any step that validates, saves or stops,
-                # are read at once, and so is every step where the device does not run ahead (`read_late`).
-                if log_due is not None:
-                    log(log_due)
-                    log_due = None
-                if self.step % cfg.metrics.log_freq == 0 or self.step in (1, cfg.training.steps):
-                    log_due = self.step
-                validate = self.validator is not None and (self.step % cfg.validation.freq == 0
-                                                           or self.step == cfg.training.steps)
-                stop = self.stop.agreed(self.cpu_group)
-                if log_due is not None and (not self.read_late or self.step in (1, cfg.training.steps) or validate
-                                            or stop or self._save_due()):
-                    log(log_due)
-                    log_due = None
-                if validate:
-                    self.read_pending()  # never validate (or save) weights a non-finite step produced
-                    self.metrics.log_validation(self.step, self.validator.validate(self.model))
-                    pause = True
-                saved = self._maybe_save(force=bool(stop))
-                if pause or saved:  # validation, a save, "auto"'s measure: not training time
-                    step_start, pause = self.clock.now(), False
-                if stop:
-                    raise TrainingStopped(self.step, stop, saved)
-            self.stop.settle()  # the last boundary's vote, which every rank started
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
-        finally:
+        with GarbageSchedule(cfg.training.gc_freq) as garbage, \
+                StepProfiler(cfg, self.rank, self.device, start_step=self.step) as profiler:
             try:
-                self.stop.settle()  # leaving on a stop or an error: gloo work left in flight at exit aborts
-            except Exception:  # noqa: BLE001  (the stop or error on the way out is the one to report)
-                pass
-            if gc_freq:
-                gc.enable()
-            profiler.close()
-            self.metrics.close()
-        return self.last
+                while self.step < last:
+                    self.step += 1
+                    garbage.step(self.step)
+                    lr, batches = self.optimizer.param_groups[0]["lr"], [next(data) for _ in range(accum)]
+                    self.steps.ran(self.train_step(batches), attended_keys(batches), lr)
+                    self._settle_resharding()  # "auto", once the launch's first step's peak is known
+                    profiler.step(self.step)
+                    self.steps.log_deferred()  # the previous step's record, now that this step is queued
+                    validate = self.validator is not None and (self.step % cfg.validation.freq == 0 or self.step == last)
+                    stop = self.stop.agreed(self.cpu_group)
+                    if self.step % cfg.metrics.log_freq == 0 or self.step in (1, last):
+                        self.steps.due(self.step, at_once=self.step in (1, last) or validate or stop or self._save_due())
+                    if validate:
+                        self.steps.read()  # never validate (or save) weights a non-finite step produced
+                        self.metrics.log_validation(self.step, self.validator.validate(self.model))
+                        self.steps.paused()
+                    saved = self._maybe_save(force=bool(stop))
+                    if stop:
+                        raise TrainingStopped(self.step, stop, saved)
+                self.stop.settle()  # the last boundary's vote, which every rank started
+                if self.checkpointer is not None:
+                    self.checkpointer.wait()
+            finally:
+                try:
+                    self.stop.settle()  # leaving on a stop or an error: gloo work left in flight at exit aborts
+                except Exception:  # noqa: BLE001  (the stop or error on the way out is the one to report)
+                    pass
+                self.metrics.close()
+        return self.steps.last
 
-    @property
-    def read_late(self) -> bool:
-        """Whether a due step's metrics wait until the next step is queued: only a device that runs behind the host
-        (CUDA) gains. On CPU a step has run when it returns, so a late read gains nothing and would count the next
-        step's time in this step's tokens/s (and almost none in the last step's, whose rate would be absurd)."""
-        return self.device.type == "cuda"
+    def _settle_resharding(self) -> None:
+        """parallelism.fsdp_reshard_after_forward = "auto": after the launch's first step, whose peak memory is then
+        known, keep the blocks' gathered weights if they fit (parallel/reshard_policy.py)."""
+        if self.cfg.parallelism.fsdp_reshard_after_forward != "auto" or self.step != self.first_step + 1:
+            return
+        self.steps.read()
+        line = keep_if_it_fits(self.model, self.device, self.cpu_group)
+        if line is not None and self.rank == 0:
+            logger.info(line)
+        self.steps.paused()
 
     def _save_due(self) -> bool:
         ckpt = self.cfg.checkpoint
@@ -415,10 +299,11 @@ class Trainer:
         """Checkpoint every checkpoint.interval steps, at the last step and when stopping; returns the folder."""
         if self.checkpointer is None or not (self._save_due() or force):
             return None
-        self.read_pending()  # raises, saving nothing, if a step since the last read diverged
+        self.steps.read()  # raises, saving nothing, if a step since the last read diverged
         path = self.checkpointer.save(self.step, self.run_id)
         if force:
             self.checkpointer.wait()  # the process is about to exit: the save must be complete
+        self.steps.paused()
         return str(path)
 
     def print_summary(self) -> None:
@@ -435,7 +320,7 @@ class Trainer:
             outputs.append("hf/")
         resumed = f" (resumed at step {self.first_step}, now {self.step})" if self.first_step else ""
         work = (f"{steps} step{'s' if steps != 1 else ''}{resumed}, {tokens:,} tokens in {time.perf_counter() - self.started:.0f} s, final loss "
-                f"{self.last['loss']:.4f}" if steps else
+                f"{self.steps.last['loss']:.4f}" if steps else
                 f"nothing to train: step {self.step} of training.steps {cfg.training.steps} already done")
         print(f"[{cfg.job.name}] done: {work}; outputs in {folder}: {', '.join(outputs)}", flush=True)
 

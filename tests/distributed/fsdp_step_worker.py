@@ -97,7 +97,7 @@ def _step(folder: str, one_row_microbatches: bool, overrides: tuple[str, ...]) -
     batch = documents_across_chunk_edges(batch)  # train_step shards the rows over the CP ranks
     rows = len(batch["input_ids"])
     split = [{key: value[i:i + 1] for key, value in batch.items()} for i in range(rows)]
-    out = trainer.train_step(split if one_row_microbatches else [batch])
+    out = trainer.train_step(split if one_row_microbatches else [batch]).read()
     grads = full_grads(trainer.model)
     spread = replica_spread(trainer.model)
     logits = None

@@ -55,7 +55,7 @@ def _step(folder: str, overrides: tuple[str, ...]) -> None:
     validation = trainer.validator.validate(trainer.model)
     batch = with_target_mask(documents_across_chunk_edges(next(iter(trainer.dataloader))))
     reference = reference_mtp_loss(trainer.model, batch) if trainer.dims.world_size == 1 else None
-    out = trainer.train_step([batch])
+    out = trainer.train_step([batch]).read()
     grads = full_grads(trainer.model)
     if trainer.rank == 0:
         torch.save({"out": out, "grads": grads, "reference": reference, "validation": validation},

@@ -57,7 +57,7 @@ def _step(folder: str, overrides: tuple[str, ...]) -> None:
     if world > 1:  # the global batch's targets: each DP rank's rows (CP ranks of one DP rank hold the same rows)
         torch.distributed.all_reduce(targets)
         targets //= cp
-    out = trainer.train_step([batch])
+    out = trainer.train_step([batch]).read()
     grads = full_grads(trainer.model)
     if trainer.rank == 0:
         torch.save({"out": out, "grads": grads, "validation": validation, "targets": int(targets),

@@ -53,13 +53,13 @@ def test_a_steps_metrics_are_read_without_waiting_for_the_work_queued_after_them
     import time
 
     from harness.metrics import DeviceClock
-    from harness.trainer import StepValues
+    from harness.step_metrics import NAMES, StepValues
 
     clock = DeviceClock(torch.device("cuda"))
     torch.cuda.synchronize()
     began = clock.now()
-    values = torch.arange(5.0, device="cuda") * 2
-    pending = StepValues(values, clock)
+    values = torch.arange(6.0, device="cuda") * 2
+    pending = StepValues(1, values, clock, NAMES)
     torch.cuda._sleep(1_000_000_000)  # the "next step": 10^9 GPU cycles, >= 0.5 s at H100/H200 clocks (<= 2 GHz)
     start = time.perf_counter()
     read = pending.read()
@@ -67,6 +67,6 @@ def test_a_steps_metrics_are_read_without_waiting_for_the_work_queued_after_them
     step_seconds = clock.seconds(began, pending.ended)
     still_busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
-    assert read == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert read == dict(zip(NAMES, [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]))
     assert still_busy and waited < 0.1, (waited, still_busy)
     assert step_seconds < 0.1 <= clock.seconds(began, clock.now()), step_seconds  # the next step's time is not its

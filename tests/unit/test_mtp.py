@@ -496,7 +496,7 @@ def test_a_run_frozen_then_relaunched_with_the_mtp_loss_starts_the_mtp_optimizer
         rest = [p for name, p in named.items() if not name.startswith("mtp.")]
         assert mtp and all(p.requires_grad and p not in trainer.optimizer.state for p in mtp)
         assert all(trainer.optimizer.state[p]["step"].item() == 2 for p in rest)
-        out = trainer.train_step([next(iter(trainer.dataloader))])
+        out = trainer.train_step([next(iter(trainer.dataloader))]).read()
         assert "mtp_loss" in out
         assert all(trainer.optimizer.state[p]["step"].item() == 1 for p in mtp)
         assert all(trainer.optimizer.state[p]["step"].item() == 3 for p in rest)

@@ -13,6 +13,7 @@ import pytest
 
 from harness.config import load_config
 from harness.metrics import training_flops_per_token
+from harness.step_metrics import StepLog
 from harness.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def dataset_cache(tmp_path_factory):
 def test_each_logged_step_reports_its_own_rate_and_mfu_when_read_late(tmp_path, monkeypatch, dataset_cache, log_freq):
     clock = {"now": 1000.0}
     monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
-    monkeypatch.setattr(Trainer, "read_late", property(lambda self: True))
+    monkeypatch.setattr(StepLog, "read_late", property(lambda self: True))
     step = Trainer._step
 
     def timed_step(self, microbatches):
@@ -44,7 +45,7 @@ def test_each_logged_step_reports_its_own_rate_and_mfu_when_read_late(tmp_path, 
                        "--checkpoint.export_hf_at_end", "false", "--job.dump_folder", str(tmp_path),
                        "--training.dataset_cache_dir", str(dataset_cache)])
     trainer = Trainer(cfg)
-    trainer.peak_flops = 1e12  # as on a GPU, so that MFU is logged
+    trainer.steps.peak_flops = 1e12  # as on a GPU, so that MFU is logged
     try:
         trainer.train()
     finally:

@@ -65,13 +65,7 @@ def test_a_row_longer_than_the_dataset_is_one_error_line_and_exit_2(tmp_path, ca
     assert "Traceback" not in err
 
 
-@pytest.fixture
-def restore_determinism():
-    yield
-    torch.use_deterministic_algorithms(False)  # a process-wide switch: keep it out of later tests
-
-
-def test_deterministic_runs_repeat_exactly(tmp_path, restore_determinism):
+def test_deterministic_runs_repeat_exactly(tmp_path, deterministic_off_after):
     flags = ["--training.steps", "3", "--training.deterministic", "true"]
     assert _run(tmp_path / "a", *flags) == 0
     assert _run(tmp_path / "b", *flags) == 0
@@ -97,7 +91,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, flavor):
     batch = next(iter(big.dataloader))
     batch["labels"][0, :10] = -100  # uneven label counts between the two halves
     halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
-    out_big, out_small = big.train_step([batch]), small.train_step(halves)
+    out_big, out_small = big.train_step([batch]).read(), small.train_step(halves).read()
     assert out_small["loss"] == pytest.approx(out_big["loss"], rel=1e-6)
     if flavor == "debugmodel_mtp":
         assert out_small["mtp_loss"] == pytest.approx(out_big["mtp_loss"], rel=1e-6)
@@ -235,27 +229,29 @@ def test_a_due_step_is_read_after_the_next_step_is_queued(tmp_path, monkeypatch)
     """With log_freq 1 on CUDA the host reads step t's metrics only once step t + 1 is queued (a read waits for the
     GPU: made at once it leaves the GPU idle while the host queues the next forward); the first and last steps and
     a step that saves are read at once. Every step is still logged, with its own values."""
-    from harness.trainer import Trainer
+    from harness.step_metrics import StepLog
     reads = []  # (steps read, step queued last) per host read
-    real_read = Trainer._read
+    real_read = StepLog.read
 
-    def spy(self, pending):
-        reads.append(([step for step, _ in pending], self.step))
-        return real_read(self, pending)
+    def spy(self, through=None):
+        ready = [v.step for v in self.unread if through is None or v.step <= through]
+        if ready:
+            reads.append((ready, self.unread[-1].step))
+        return real_read(self, through)
 
-    monkeypatch.setattr(Trainer, "_read", spy)
+    monkeypatch.setattr(StepLog, "read", spy)
     # On CPU each step is read as soon as it has run (a late read gains nothing where the device does not run
     # ahead, and would count the next step's time in this step's rate).
     assert _run(tmp_path / "cpu", "--training.steps", "3") == 0
     assert reads == [([1], 1), ([2], 2), ([3], 3)]
     reads.clear()
-    monkeypatch.setattr(Trainer, "read_late", True)  # as on CUDA
+    monkeypatch.setattr(StepLog, "read_late", True)  # as on CUDA
     assert _run(tmp_path, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "4") == 0
     assert reads == [([1], 1), ([2], 3), ([3], 4), ([4], 4), ([5], 6), ([6], 6)]
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     # the same values as a run that reads every step at once (the log_freq 1 path before the lag)
-    monkeypatch.setattr(Trainer, "_read", real_read)
+    monkeypatch.setattr(StepLog, "read", real_read)
     assert _run(tmp_path / "eager", "--training.steps", "6", "--metrics.log_freq", "100") == 0
     assert rows[-1]["loss"] == _metrics(tmp_path / "eager")[-1]["loss"]
 
