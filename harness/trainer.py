@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from models.qwen35_moe.moe import RouterStats
 from parallel.expert_parallel import scale_expert_gradients
 from parallel.grad_norm import clip_grad_norm_
 from parallel.parallel_dims import ParallelDims
@@ -27,7 +26,7 @@ from .checkpoint.hf_weights import check_hf_export_folder, export_hf, with_token
 from .config import JobConfig, to_toml, validate_parallelism
 from .data.chat import chat_options
 from .data.loader import build_dataloader
-from .loss import balance_loss_share, global_label_tokens, routing_loads
+from .objective import Objective, routing_loads
 from .optim.lr_schedule import build_lr_scheduler
 from .metrics import DeviceClock, MetricsLogger, mean_attended_keys, peak_flops, training_flops_per_token
 from .model_setup import DTYPES, build_model, build_model_args, trains_mtp
@@ -76,12 +75,14 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
-        self.aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
-                              else cfg.training.aux_loss_coef)
         # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all.
         self.model = build_model(cfg, self.model_args, self.meshes, self.device, load_hf=resume_step is None,
                                  grad_accum_steps=self.layout.grad_accum_steps)
         self.train_mtp = trains_mtp(cfg, self.model)
+        aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
+                         else cfg.training.aux_loss_coef)
+        self.objective = Objective(aux_loss_coef, cfg.training.mtp_loss_coef, self.dims.world_size,
+                                   self.meshes is not None, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         s = cfg.lr_scheduler
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
@@ -186,44 +187,10 @@ class Trainer:
         """One optimizer step; returns (loss, aux_loss, mtp_loss, grad_norm, expert_load, ep_rank_load) on the
         device."""
         self.optimizer.zero_grad(set_to_none=True)
-        distributed = self.meshes is not None
         inputs = [self.model_inputs(mb, mtp=self.train_mtp) for mb in microbatches]
-        n_tokens, *mtp_tokens = global_label_tokens(inputs, self.device, distributed).unbind()
-        # Each micro-batch's loss is its share of the global loss; FSDP averages gradients over all ranks
-        # (dp_replicate x dp_shard x cp), so the shares are scaled by their number to give the gradient of the global
-        # loss (the sum of the shares'). The cross entropy's scale is known before the forward: the model returns
-        # the summed cross entropy times it, its gradients computed already scaled (one pass fewer over them).
-        world = self.dims.world_size
-        ce_scale = world / n_tokens
-        # The MTP loss (harness/loss.py), weighted by its coefficient inside the scales (linear_cross_entropy.py)
-        mtp_weight = self.cfg.training.mtp_loss_coef / max(len(mtp_tokens), 1)
-        mtp_scales = torch.stack(mtp_tokens).reciprocal() * (world * mtp_weight) if mtp_tokens else None
-        ce_total = torch.zeros((), device=self.device)
-        aux_total = torch.zeros((), device=self.device)
-        mtp_total = torch.zeros((), device=self.device)
-        step_counts = 0
-        for mb in inputs:
-            out = self.model(**mb, ce_scale=ce_scale, mtp_ce_scales=mtp_scales)
-            stats = out.router_stats
-            if out.mtp_router_stats is not None:  # the MTP layers' MoE balanced with the others
-                stats = RouterStats(torch.cat((stats.counts, out.mtp_router_stats.counts)),
-                                    torch.cat((stats.prob_sums, out.mtp_router_stats.prob_sums)),
-                                    stats.num_tokens, stats.top_k)
-            aux, pooled_counts = balance_loss_share(stats, distributed)
-            aux = aux / len(microbatches)
-            step_counts = step_counts + pooled_counts
-            loss = out.ce_sum + aux * (self.aux_loss_coef * world)
-            if out.mtp_ce_sum is not None:
-                loss = loss + out.mtp_ce_sum
-                mtp_total += out.mtp_ce_sum.detach() / (world * self.cfg.training.mtp_loss_coef)
-            loss.backward()
-            ce_total += out.ce_sum.detach() / world  # this micro-batch's share of the global token-mean CE
-            aux_total += aux.detach()
+        losses, step_counts = self.objective.minimise(self.model, inputs)  # harness/objective.py
         if self.dims.ep > 1:
             scale_expert_gradients(self.model, self.dims.ep)
-        losses = torch.stack((ce_total, aux_total, mtp_total))
-        if distributed:
-            torch.distributed.all_reduce(losses)
         max_norm = self.cfg.training.max_norm
         # FastAdam (the optimizer on CUDA) applies the clipping as it reads the gradients: no pass of its own
         scales = isinstance(self.optimizer, FastAdam)

@@ -1,9 +1,9 @@
-"""The routing-load metrics (harness/loss.py `routing_loads`) against counting by hand."""
+"""The routing-load metrics (harness/objective.py `routing_loads`) against counting by hand."""
 
 import pytest
 import torch
 
-from harness.loss import routing_loads
+from harness.objective import routing_loads
 
 
 def by_hand(counts: list[list[float]], ep: int) -> tuple[float, float]:
