@@ -34,7 +34,8 @@ def trainer_argv(hf_config: Path, dump_folder: Path, steps: int) -> list[str]:
     return [
         "--config", str(REPO / "train_configs" / "qwen35_moe.toml"),
         "--model.hf_config", str(hf_config), "--model.tokenizer_path", "",
-        "--training.dataset", "jsonl", "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl"),
+        "--training.dataset_source", "jsonl",
+        "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl"),
         "--checkpoint.initial_load_hf", "", "--training.steps", str(steps), "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "2",
         "--job.dump_folder", str(dump_folder),

@@ -124,9 +124,9 @@ def main() -> int:
     from harness.data.tokenizer import build_tokenizer
 
     t = cfg.training
-    loader = build_dataloader(t.dataset, t.dataset_path, t.dataset_text_field, build_tokenizer(cfg.model.tokenizer_path),
-                              t.seq_len, t.local_batch_size, dp_rank=0, dp_world_size=1,
-                              cache_dir=str(work / "cache"))
+    loader = build_dataloader(t.dataset_source, t.dataset_path, t.dataset_text_field,
+                              build_tokenizer(cfg.model.tokenizer_path), t.seq_len, t.local_batch_size, dp_rank=0,
+                              dp_world_size=1, cache_dir=str(work / "cache"))
     batches = [batch for _, batch in zip(range(ns.steps), loader)]
 
     def powered(run, *run_args):  # the run's figures, and the GPU's power and clocks over it (gpu_power.py)

@@ -33,8 +33,7 @@ import tempfile
 from pathlib import Path
 
 from .atomic_file import write_whole
-from .config import ConfigError, with_default_config
-from .preflight import check_launch
+from .config import ConfigError, check_launch, with_default_config
 from .train import BAD_INPUT, ERROR_FILE, EXIT_FILE, INTERRUPTED, PID_FILE, STARTING, STOP_FILE, recorded
 
 def visible_gpus() -> int:
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        from .config_help import config_help
+        from .config.help import config_help
 
         print(config_help(argv))
         return 0

@@ -65,9 +65,9 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     elif train_mtp:
         logger.info("MTP layers (mtp_num_hidden_layers %d): trained, loss weight training.mtp_loss_coef %g (0 keeps "
                     "them frozen)", args.mtp_num_hidden_layers, cfg.training.mtp_loss_coef)
-    if cfg.model.router_force_balance:
+    if cfg.debug.moe_force_load_balance:
         layers = force_balanced_routing(model)
-        logger.warning("model.router_force_balance: benchmarks only. The %d MoE layers send token n of each layer's "
+        logger.warning("debug.moe_force_load_balance: benchmarks only. The %d MoE layers send token n of each layer's "
                        "N local tokens to experts (n * k + j) mod E, not to the router's top-k: equal expert load, "
                        "the routing is not learned and the balance loss stays at about top_k", layers)
     if device.type == "cuda":

@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 from .atomic_file import write_whole
-from .config import ConfigError, with_default_config
-from .preflight import check_launch
+from .config import ConfigError, check_launch, with_default_config
 
 BAD_INPUT, DIVERGED, INTERRUPTED, TERMINATED_STARTING = 2, 3, 130, 143  # 143: 128 + SIGTERM, as the shell reports
 STARTING = "interrupted while starting; nothing saved"
@@ -68,7 +67,7 @@ def _main(argv: list[str] | None) -> int:
         return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        from .config_help import config_help
+        from .config.help import config_help
 
         print(config_help(argv))
         return 0

@@ -34,7 +34,7 @@ from .optim.fast_adam import FastAdam
 from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
-from .resume_config import apply_optimizer_settings, other_changes
+from .config.resume import apply_optimizer_settings, other_changes
 from .run_lock import acquire_run_lock, written_folders
 from .run_outputs import OutputError, claim_outputs
 from .runtime import GarbageSchedule, cpu_process_group, init_process_group, pick_device, set_seed
@@ -93,9 +93,9 @@ class Trainer:
         t = cfg.training
         cache_dir = t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache")
         self.dataloader = build_dataloader(
-            t.dataset, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
+            t.dataset_source, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
             dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir, cache_verify=t.dataset_cache_verify,
-            data_format=t.data_format, chat=chat_options(cfg))
+            data_format=t.dataset_content, chat=chat_options(cfg))
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
                                     self.model_inputs, mtp=self.model.mtp is not None)
                           if cfg.validation.enable else None)
@@ -155,7 +155,7 @@ class Trainer:
         return found[0]
 
     def _apply_relaunch_config(self, saved_config: dict | None) -> None:
-        """This launch's optimizer settings on top of the loaded state (harness/resume_config.py); a line for each
+        """This launch's optimizer settings on top of the loaded state (harness/config/resume.py); a line for each
         value the relaunch changed."""
         changes = apply_optimizer_settings(self.optimizer, self.lr_scheduler, self.cfg)
         changes += other_changes(saved_config, self.cfg)

@@ -40,10 +40,10 @@ class Validator:
         v, t = cfg.validation, cfg.training
         self.steps = None if v.steps == -1 else v.steps
         self.device, self.model_inputs, self.mtp = device, model_inputs, mtp
-        self.loader = build_dataloader(v.dataset, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
+        self.loader = build_dataloader(v.dataset_source, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
                                        t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                        cache_dir=cache_dir, infinite=False, cache_verify=t.dataset_cache_verify,
-                                       data_format=t.data_format, chat=chat_options(cfg))  # training's chat keys
+                                       data_format=t.dataset_content, chat=chat_options(cfg))  # training's chat keys
         self.start = self.loader.state_dict()  # every validation rewinds to here: the same rows each time
         self.what = f"{v.dataset_path} (validation.steps = {v.steps})"
         rows_needed = dp_world_size * t.local_batch_size

@@ -65,7 +65,7 @@ ENCODING_RULES = 2
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """The training section's chat keys (harness/config.py, Training)."""
+    """The training section's chat keys (harness/config/schema.py, Training)."""
 
     messages_field: str = "messages"
     targets: str = "assistant"  # "assistant" | "all"
@@ -79,7 +79,8 @@ class ChatOptions:
 
 
 def chat_options(cfg) -> ChatOptions:
-    """The chat keys of a run's training section (harness/config.py, Training); validation reads its set with them."""
+    """The chat keys of a run's training section (harness/config/schema.py, Training); validation reads its set
+    with them."""
     t = cfg.training
     return ChatOptions(t.chat_messages_field, t.chat_targets, t.chat_overlong, t.chat_max_row_bytes)
 
@@ -97,7 +98,7 @@ def tokenizer_folder(tokenizer_path: str) -> Path:
 def chat_template_problem(tokenizer_path: str) -> str | None:
     """Why chat rows cannot be rendered with the tokenizer at `tokenizer_path`, or None when they can."""
     if not tokenizer_path:
-        return ("training.data_format = 'chat' renders conversations with the tokenizer's chat template, and the "
+        return ("training.dataset_content = 'chat' renders conversations with the tokenizer's chat template, and the "
                 "built-in byte tokenizer has none: set model.tokenizer_path to a tokenizer folder with a chat "
                 "template (data/debug_chat/tokenizer is the byte tokenizer with one)")
     path = Path(tokenizer_path)
@@ -107,7 +108,7 @@ def chat_template_problem(tokenizer_path: str) -> str | None:
     if not chat_template_sources(tokenizer_path):
         folder = tokenizer_folder(tokenizer_path)
         return (f"the tokenizer folder {folder} has no chat template (neither {TEMPLATE_FILE} nor a chat_template in "
-                f"{CONFIG_FILE}), which training.data_format = 'chat' renders conversations with")
+                f"{CONFIG_FILE}), which training.dataset_content = 'chat' renders conversations with")
     return None
 
 

@@ -509,7 +509,8 @@ def _flush(out, targets_out, pending: list[int], pending_targets: list[int], tok
 
 def _checked_ids(ids: list[int], tokenizer, unit) -> np.ndarray:
     """The ids as uint32, once each is known to be inside the tokenizer's vocabulary (which the model's embedding
-    covers: harness/preflight.py): an id beyond it would index past the embedding or train a row never decoded."""
+    covers: harness/config/run_requirements.py): an id beyond it would index past the embedding or train a row never
+    decoded."""
     array = np.asarray(ids, dtype=np.int64)
     if array.size and not 0 <= array.min() <= array.max() < tokenizer.vocab_size:
         bad = int(array[(array < 0) | (array >= tokenizer.vocab_size)][0])

@@ -16,7 +16,7 @@ from tests.distributed.trainer_runs import REPO, close_keeping_process_group, in
 
 GLOBAL_BATCH = 4
 CHAT = os.path.join(REPO, "data", "debug_chat")
-CHAT_FLAGS = ("--training.data_format", "chat", "--model.tokenizer_path", os.path.join(CHAT, "tokenizer"),
+CHAT_FLAGS = ("--training.dataset_content", "chat", "--model.tokenizer_path", os.path.join(CHAT, "tokenizer"),
               "--training.dataset_path", os.path.join(CHAT, "train.jsonl"),
               "--validation.enable", "true", "--validation.steps", "2",
               "--validation.dataset_path", os.path.join(CHAT, "val.jsonl"))

@@ -38,10 +38,10 @@ def gathered_bytes_expected(ep: int) -> int:
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 RUNS = {  # layout: runs (mode and memory) of it
     "fsdp2": {name: register(Run(f"reshard_auto/fsdp2_{name}", 2, WORKER, (mode, capacity)))
-              for name, mode, capacity in [("default", "default", ROOM), ("auto", "auto", ROOM),
+              for name, mode, capacity in [("default", "always", ROOM), ("auto", "auto", ROOM),
                                            ("tight", "auto", NO_ROOM)]},
     "ep2_fsdp2": {name: register(Run(f"reshard_auto/ep2_fsdp2_{name}", 4, WORKER, (mode, ROOM, *EP2)))
-                  for name, mode in [("default", "default"), ("auto", "auto")]},
+                  for name, mode in [("default", "always"), ("auto", "auto")]},
 }
 
 

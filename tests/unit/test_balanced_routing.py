@@ -1,4 +1,4 @@
-"""Balanced routing for benchmarks (`model.router_force_balance`, `force_balanced_routing` in models/qwen35_moe/moe.py):
+"""Balanced routing for benchmarks (`debug.moe_force_load_balance`, `force_balanced_routing` in models/qwen35_moe/moe.py):
 token n of a layer's N tokens goes to experts (n * k + j) mod E, weighted by the router's renormalised probabilities
 at those experts. Checked against counting and computing by hand; off by default, the normal routing untouched, and
 nothing of it in the checkpoint keys or the HF export."""
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import ConfigError, JobConfig, load_config
-from harness.config_help import config_help
+from harness.config.help import config_help
 from models.qwen35_moe import get_flavor
 from models.qwen35_moe.moe import SparseMoE, force_balanced_routing
 from tests.builders import initialized_model
@@ -117,7 +117,7 @@ def test_forced_router_compiles_into_one_graph_with_the_token_count_dynamic():
 
 
 def test_off_by_default_and_the_normal_routing_is_unchanged():
-    assert JobConfig().model.router_force_balance is False
+    assert JobConfig().debug.moe_force_load_balance is False
     model = initialized_model(DEBUG)
     assert all(not m.force_balance for m in model.modules() if isinstance(m, SparseMoE))
 
@@ -150,56 +150,56 @@ def test_checkpoint_keys_and_hf_export_are_the_same_with_it_on(tmp_path):
 def test_build_model_sets_it_on_every_layer_and_warns(caplog):
     from harness.model_setup import build_model
 
-    cfg = load_config(["--model.router_force_balance", "true"])
+    cfg = load_config(["--debug.moe_force_load_balance", "true"])
     with caplog.at_level(logging.WARNING, logger="harness.model_setup"):
         model = build_model(cfg, DEBUG, None, torch.device("cpu"), load_hf=False)
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     assert len(moes) == DEBUG.num_hidden_layers and all(m.force_balance for m in moes)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("router_force_balance" in w and "benchmarks only" in w for w in warnings), warnings
+    assert any("moe_force_load_balance" in w and "benchmarks only" in w for w in warnings), warnings
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="harness.model_setup"):
         model = build_model(load_config([]), DEBUG, None, torch.device("cpu"), load_hf=False)
     assert not any(m.force_balance for m in model.modules() if isinstance(m, SparseMoE))
-    assert not any("router_force_balance" in r.getMessage() for r in caplog.records)
+    assert not any("moe_force_load_balance" in r.getMessage() for r in caplog.records)
 
 
 # --- config --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--model.router_force_balance", "true"], True),
-    (["--model.router_force_balance=1"], True),
-    (["--model.router_force_balance", "false"], False),
+    (["--debug.moe_force_load_balance", "true"], True),
+    (["--debug.moe_force_load_balance=1"], True),
+    (["--debug.moe_force_load_balance", "false"], False),
     ([], False),
 ])
 def test_key_parses_from_the_command_line(argv, expected):
-    assert load_config(argv).model.router_force_balance is expected
+    assert load_config(argv).debug.moe_force_load_balance is expected
 
 
 def test_key_parses_from_toml_and_the_command_line_overrides_it(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("[model]\nrouter_force_balance = true\n")
-    assert load_config(["--config", str(path)]).model.router_force_balance is True
-    assert load_config(["--config", str(path), "--model.router_force_balance", "no"]).model.router_force_balance is False
+    path.write_text("[debug]\nmoe_force_load_balance = true\n")
+    assert load_config(["--config", str(path)]).debug.moe_force_load_balance is True
+    assert load_config(["--config", str(path), "--debug.moe_force_load_balance", "no"]).debug.moe_force_load_balance is False
 
 
-@pytest.mark.parametrize("toml", ["router_force_balance = 1\n", 'router_force_balance = "yes"\n'])
+@pytest.mark.parametrize("toml", ["moe_force_load_balance = 1\n", 'moe_force_load_balance = "yes"\n'])
 def test_a_non_bool_in_toml_is_rejected(tmp_path, toml):
     path = tmp_path / "typed.toml"
-    path.write_text("[model]\n" + toml)
+    path.write_text("[debug]\n" + toml)
     with pytest.raises(ConfigError) as e:
         load_config(["--config", str(path)])
-    assert "typed.toml" in str(e.value) and "model.router_force_balance" in str(e.value)
+    assert "typed.toml" in str(e.value) and "debug.moe_force_load_balance" in str(e.value)
 
 
 def test_a_bad_bool_on_the_command_line_is_rejected():
-    with pytest.raises(ConfigError, match="model.router_force_balance"):
-        load_config(["--model.router_force_balance=maybe"])
+    with pytest.raises(ConfigError, match="debug.moe_force_load_balance"):
+        load_config(["--debug.moe_force_load_balance=maybe"])
 
 
 def test_help_shows_the_key_with_its_comment():
     help_text = config_help([])
-    line = next(line for line in help_text.splitlines() if "--model.router_force_balance" in line)
+    line = next(line for line in help_text.splitlines() if "--debug.moe_force_load_balance" in line)
     assert "bool" in line and "false" in line
     assert "benchmarks only" in help_text

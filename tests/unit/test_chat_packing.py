@@ -20,7 +20,7 @@ from harness.data.errors import DataError
 from harness.data.loader import IGNORE_INDEX, ChatStreamPacker, PrefetchingLoader, build_dataloader
 from harness.data.sources import Row
 from harness.data.tokenizer import HFTokenizer
-from harness.preflight import check_launch
+from harness.config import check_launch
 from tests.unit.test_data import batch_rows, fake_datasets, take
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,10 +268,10 @@ def test_chat_configs_that_cannot_run_are_named_before_the_run(tmp_path):
     no_template.mkdir()
     (no_template / "tokenizer.json").write_text((DEBUG_CHAT / "tokenizer" / "tokenizer.json").read_text())
     cases = [
-        (["--training.dataset", "text"], "training.dataset = 'text' cannot hold chat data"),
+        (["--training.dataset_source", "text"], "training.dataset_source = 'text' cannot hold chat data"),
         (["--model.tokenizer_path", ""], "the built-in byte tokenizer has none: set model.tokenizer_path"),
         (["--model.tokenizer_path", str(no_template)], f"the tokenizer folder {no_template} has no chat template"),
-        (["--validation.dataset", "text"], "validation.dataset = 'text' cannot hold chat data"),
+        (["--validation.dataset_source", "text"], "validation.dataset_source = 'text' cannot hold chat data"),
     ]
     for argv, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -374,7 +374,7 @@ def test_a_validation_that_reads_no_target_is_an_error(monkeypatch, tmp_path):
     from harness.validation import Validator
 
     fake_datasets(monkeypatch, conversations(1))  # a streamed set too short for one row
-    cfg = load_config(["--config", SFT_CONFIG, "--validation.enable", "true", "--validation.dataset", "hf",
+    cfg = load_config(["--config", SFT_CONFIG, "--validation.enable", "true", "--validation.dataset_source", "hf",
                        "--validation.dataset_path", "fake/chats", "--validation.steps", "-1"])
     validator = Validator(cfg, TOKENIZER, 0, 1, str(tmp_path / "cache"), torch.device("cpu"), None)
     with pytest.raises(DataError, match=r"validation read no target token from fake/chats \(validation.steps = -1\)"):

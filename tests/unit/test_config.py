@@ -38,7 +38,7 @@ name = "exp1"
 [training]
 steps = 20
 max_norm = 2          # an int is a valid float
-dataset = "jsonl"
+dataset_source = "jsonl"
 [lr_scheduler]
 decay_ratio = 0.2
 [checkpoint]
@@ -46,7 +46,7 @@ enable = true
 """)
     cfg = load_config(["--config", path])
     assert cfg.job.name == "exp1"
-    assert cfg.training.steps == 20 and cfg.training.dataset == "jsonl"
+    assert cfg.training.steps == 20 and cfg.training.dataset_source == "jsonl"
     assert cfg.training.max_norm == 2.0 and isinstance(cfg.training.max_norm, float)
     assert cfg.lr_scheduler.decay_ratio == 0.2
     assert cfg.checkpoint.enable is True
@@ -165,7 +165,7 @@ def test_positional_argument_is_rejected():
 @pytest.mark.parametrize("flag,value", [("activation_checkpoint.mode", "partial"),
                                         ("model.fla_hopper_backward", "on"),  # only auto / off
                                         ("checkpoint.export_dtype", "fp8"),
-                                        ("training.dataset", "csv")])
+                                        ("training.dataset_source", "csv")])
 def test_value_outside_choices_is_rejected_with_the_choices(flag, value):
     with pytest.raises(ConfigError) as e:
         load_config([f"--{flag}={value}"])
@@ -231,7 +231,7 @@ def test_lr_never_jumps_over_an_accepted_schedule():
 
 def test_every_problem_of_a_launch_is_named_at_once(tmp_path):
     """An unknown key, a wrong type and a missing path: one ConfigError numbering all three, not the first alone."""
-    from harness.preflight import check_launch
+    from harness.config import check_launch
 
     with pytest.raises(ConfigError) as e:
         check_launch(["--training.stesp", "5", "--optimizer.lr", "abc", "--training.dataset_path",
@@ -270,7 +270,7 @@ def test_a_malformed_file_keeps_its_line_beside_the_command_lines_problems(toml_
 def test_a_refused_value_is_not_judged_again_through_its_default():
     """training.steps 'q' leaves the default 10 in its place: the warmup-into-decay check (which reads steps) and the
     batch layout (which reads local_batch_size) would judge values nobody gave, so they are skipped."""
-    from harness.preflight import check_launch
+    from harness.config import check_launch
 
     with pytest.raises(ConfigError) as e:
         check_launch(with_default_config([
@@ -281,7 +281,7 @@ def test_a_refused_value_is_not_judged_again_through_its_default():
 
 
 def test_parallel_degrees_and_batch_problems_join_the_values_problems():
-    from harness.preflight import check_launch
+    from harness.config import check_launch
 
     with pytest.raises(ConfigError) as e:
         check_launch(with_default_config(["--training.steps", "0", "--training.local_batch_size", "0",
@@ -346,7 +346,7 @@ def test_global_batch_not_a_multiple_of_local_times_dp_is_rejected(gbs):
 def test_shipped_configs_are_valid_except_for_the_paths_a_user_must_set(name, world):
     from pathlib import Path
 
-    from harness.preflight import check_run_requirements
+    from harness.config import check_run_requirements
 
     cfg = load_config(["--config", str(Path(__file__).resolve().parents[2] / "train_configs" / name)])
     dims = validate_parallelism(cfg, world_size=world).dims
@@ -364,7 +364,7 @@ def test_shipped_configs_are_valid_except_for_the_paths_a_user_must_set(name, wo
 def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_named_before_anything_starts():
     from pathlib import Path
 
-    from harness.preflight import check_run_requirements
+    from harness.config import check_run_requirements
 
     data = str(Path(__file__).resolve().parents[2] / "data" / "debug_corpus" / "train.jsonl")
     cfg = load_config(["--training.dataset_path", data, "--parallelism.expert_parallel_degree", "3"])
@@ -378,8 +378,8 @@ def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_named_bef
 def _numeric_keys(kind) -> list[str]:
     from typing import get_args
 
-    from harness.config import _SCHEMA
-    return [f"{section}.{key}" for section, keys in _SCHEMA.items() for key, hint in keys.items()
+    from harness.config import SCHEMA
+    return [f"{section}.{key}" for section, keys in SCHEMA.items() for key, hint in keys.items()
             if hint is kind or kind in get_args(hint) or (kind is float and hint == list[float])]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.config import ConfigError, load_config
-from harness.preflight import check_run_requirements
+from harness.config import check_run_requirements
 from parallel.context_parallel import _natural_order, shard_zigzag, zigzag_index
 
 
@@ -30,7 +30,7 @@ def test_zigzag_shards_round_trip_and_balance_the_causal_work(cp, seq_len):
 
 
 def _cfg(*argv):
-    return load_config(["--training.dataset", "jsonl", "--training.dataset_path", __file__, *argv])
+    return load_config(["--training.dataset_source", "jsonl", "--training.dataset_path", __file__, *argv])
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -65,7 +65,7 @@ def test_bad_input_under_torchrun_itself_is_one_error_line_not_one_per_rank(bad,
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a fine document"}\n{"text": "cut off\n' + '{"text": "another"}\n' * 40)
     flags = (["--training.stesp", "5"] if bad == "config" else
-             ["--training.dataset_path", str(data), "--training.dataset", "jsonl", "--training.steps", "1"])
+             ["--training.dataset_path", str(data), "--training.dataset_source", "jsonl", "--training.steps", "1"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "QWEN35_EXIT_DIR": str(exits)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "harness.train",
@@ -185,9 +185,9 @@ def test_help_lists_every_key_with_the_runs_value_the_builtin_default_and_commen
     then the overrides given with --help."""
     result = run_train("--help")
     assert result.returncode == 0
-    from harness.config import _ALL_KEYS
+    from harness.config import ALL_KEYS
 
-    for key in _ALL_KEYS:
+    for key in ALL_KEYS:
         assert f"--{key}  (" in result.stdout, key
     assert "--training.steps  (int, 200, built-in 10)\n      optimizer steps to run" in result.stdout
     assert "--optimizer.lr  (float, 0.003, built-in 0.0008)" in result.stdout

@@ -1,6 +1,6 @@
 """`--help`: every config section and key with its type, its value in the run the command line describes (the
 config file, default train_configs/debug_model.toml, and the overrides before `--help`), the built-in default
-where that differs, and the comment it has in harness/config.py.
+where that differs, and the comment it has in harness/config/schema.py; then the old names still read.
 
 The comments are read from the source of the section dataclasses, so the help cannot drift from them.
 """
@@ -12,7 +12,10 @@ import inspect
 import re
 from typing import Literal, get_args, get_origin
 
-from . import config
+from .errors import ConfigError
+from .load import load_config, with_default_config
+from .renamed import RENAMED_KEYS, RENAMED_VALUES, RETIRED_KEYS
+from .schema import SCHEMA, JobConfig
 
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
 
@@ -62,26 +65,35 @@ def _shown(default) -> str:
 
 def config_help(argv: list[str]) -> str:
     """The help for the run `argv` (its `--help` left out) describes."""
-    argv = config.with_default_config([a for a in argv if a not in ("-h", "--help")])
+    argv = with_default_config([a for a in argv if a not in ("-h", "--help")])
     try:
-        run = config.load_config(argv)
+        run = load_config(argv)
         source = (f"Values are this run's ({_config_file(argv)} and the command line),\nwith the built-in "
                   f"default where it differs.")
-    except config.ConfigError as err:  # the keys still help; the run's values cannot be shown
-        run, source = config.JobConfig(), f"Values are the built-in defaults: the run's config could not be read: {err}"
+    except ConfigError as err:  # the keys still help; the run's values cannot be shown
+        run, source = JobConfig(), f"Values are the built-in defaults: the run's config could not be read: {err}"
     lines = [USAGE, source, ""]
-    builtin = config.JobConfig()
-    for section in dataclasses.fields(config.JobConfig):
+    builtin = JobConfig()
+    for section in dataclasses.fields(JobConfig):
         comments = _comments(section.default_factory)
         lines.append(f"[{section.name}]")
-        for key, hint in config._SCHEMA[section.name].items():
+        for key, hint in SCHEMA[section.name].items():
             value, default = getattr(getattr(run, section.name), key), getattr(getattr(builtin, section.name), key)
             shown = _shown(value) + ("" if value == default else f", built-in {_shown(default)}")
             lines.append(f"  --{section.name}.{key}  ({_type_name(hint)}, {shown})")
             if comments.get(key):
                 lines.append(f"      {comments[key]}")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _old_names())
+
+
+def _old_names() -> list[str]:
+    """The keys and values read under their new names, each with a notice, and the keys no longer read."""
+    lines = ["Old names, still read (each with a notice line):"]
+    lines += [f"  --{old}  now --{new}" for old, new in RENAMED_KEYS.items()]
+    lines += [f"  --{key} {old}  now {new}" for (key, old), new in RENAMED_VALUES.items()]
+    lines += [f"  --{key}  no longer read: {why}" for key, why in RETIRED_KEYS.items()]
+    return lines + [""]
 
 
 def _config_file(argv: list[str]) -> str:

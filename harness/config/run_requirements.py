@@ -1,12 +1,8 @@
-"""What a launch needs, checked before any worker starts: every problem found is named in one ConfigError.
-
-`check_launch` is what the entry points call: the config's keys, types and values (`load_config`), the parallel
-degrees on the launch's world size (`validate_parallelism`) and what the run reads (`check_run_requirements`), all
-collected, none raised at the first. `check_run_requirements` alone: paths that must exist (dataset, validation set, tokenizer, HF config and checkpoint), a known model flavor,
-a tokenizer that fits the model's vocabulary, chat data from a kind that holds rows and a tokenizer with a chat
-template, a context-parallel degree that divides the rows and the Gated
-DeltaNet heads, an expert-parallel degree that divides the experts. Runs without torch
-(the models' args and flavors are plain Python), so a typo fails in well under a second.
+"""What the run reads, checked before any worker starts: paths that must exist (dataset, validation set, tokenizer, HF
+config and checkpoint), a known model flavor, a tokenizer that fits the model's vocabulary, chat data from a source
+that holds rows and a tokenizer with a chat template, a context-parallel degree that divides the rows and the Gated
+DeltaNet heads, an expert-parallel degree that divides the experts. Part of the one validation pass
+(harness/config/validate.py). Runs without torch: the models' args and flavors are plain Python.
 """
 
 from __future__ import annotations
@@ -17,45 +13,10 @@ from pathlib import Path
 from models.qwen35_moe.args import Qwen35MoeArgs
 from models.qwen35_moe.flavors import qwen35_moe_flavors
 
-from .config import ConfigError, JobConfig, load_config, validate_parallelism
-from .data.chat import chat_template_problem
+from ..data.chat import chat_template_problem
+from .schema import JobConfig
 
 _TO_SET = "set it in the config file or with --{key} PATH"
-# What validate_parallelism reads
-_LAYOUT_KEYS = frozenset({"parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-                          "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree",
-                          "training.local_batch_size", "training.global_batch_size"})
-
-
-def check_launch(argv: list[str], world_size: int) -> JobConfig:
-    """The config of the launch `argv` on `world_size` ranks, or one ConfigError naming every problem: a typo in one
-    key does not hide a missing dataset, nor an impossible parallel degree the placeholders left to set. Checks that
-    read a value the config refused are skipped (they would judge the default standing in for it)."""
-    try:
-        return _checked(load_config(argv), world_size, [], frozenset())
-    except ConfigError as err:
-        if err.partial is None:  # a config file that cannot be read: nothing further to check
-            raise
-        return _checked(err.partial, world_size, err.problems, err.rejected)
-
-
-def _checked(cfg: JobConfig, world_size: int, problems: list[str], rejected: frozenset[str]) -> JobConfig:
-    problems = list(problems)
-    if not rejected & _LAYOUT_KEYS:
-        try:
-            validate_parallelism(cfg, world_size)
-        except ConfigError as err:
-            problems += [p for p in err.problems if p not in problems]  # a batch size load_config named already
-    problems += run_requirement_problems(cfg, rejected)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
-def check_run_requirements(cfg: JobConfig) -> None:
-    problems = run_requirement_problems(cfg)
-    if problems:
-        raise ConfigError(problems)
 
 
 def run_requirement_problems(cfg: JobConfig, rejected: frozenset[str] = frozenset()) -> list[str]:
@@ -66,9 +27,10 @@ def run_requirement_problems(cfg: JobConfig, rejected: frozenset[str] = frozense
 
     problems = []
     for section in ("training", "validation") if cfg.validation.enable else ("training",):
-        if reads(f"{section}.dataset", f"{section}.dataset_path"):
+        if reads(f"{section}.dataset_source", f"{section}.dataset_path"):
             problems += _dataset_problems(cfg, section)
-    if reads("training.data_format", "training.dataset", "validation.dataset", "model.tokenizer_path"):
+    if reads("training.dataset_content", "training.dataset_source", "validation.dataset_source",
+             "model.tokenizer_path"):
         problems += _chat_problems(cfg)
     if reads("checkpoint.initial_load_hf"):
         problems += _checkpoint_problems(cfg)
@@ -87,7 +49,7 @@ def run_requirement_problems(cfg: JobConfig, rejected: frozenset[str] = frozense
 
 def _context_parallel_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
     cp = cfg.parallelism.context_parallel_degree
-    if cp <= 1:  # below 1: validate_parallelism names it
+    if cp <= 1:  # below 1: the layout check names it
         return []
     problems = []
     if cfg.training.seq_len % (2 * cp):
@@ -112,20 +74,20 @@ def _dataset_problems(cfg: JobConfig, section: str) -> list[str]:
     s = getattr(cfg, section)
     key = f"{section}.dataset_path"
     if not s.dataset_path:
-        what = "a Hugging Face dataset name" if s.dataset == "hf" else f"a {s.dataset} file or folder"
+        what = "a Hugging Face dataset name" if s.dataset_source == "hf" else f"a {s.dataset_source} file or folder"
         return [f"{key} is empty; set it to {what}"]
-    if s.dataset != "hf" and not os.path.exists(s.dataset_path):
+    if s.dataset_source != "hf" and not os.path.exists(s.dataset_path):
         return [f"{key} {s.dataset_path!r} does not exist; " + _TO_SET.format(key=key)]
     return []
 
 
 def _chat_problems(cfg: JobConfig) -> list[str]:
-    if cfg.training.data_format != "chat":
+    if cfg.training.dataset_content != "chat":
         return []
-    problems = [f"{section}.dataset = 'text' cannot hold chat data (rows with a list of messages): use jsonl, parquet "
-                f"or hf with training.data_format = 'chat'"
+    problems = [f"{section}.dataset_source = 'text' cannot hold chat data (rows with a list of messages): use jsonl, "
+                f"parquet or hf with training.dataset_content = 'chat'"
                 for section in (("training", "validation") if cfg.validation.enable else ("training",))
-                if getattr(cfg, section).dataset == "text"]
+                if getattr(cfg, section).dataset_source == "text"]
     path = cfg.model.tokenizer_path
     if not path or os.path.exists(path):  # a missing path is named by the tokenizer's own check
         problem = chat_template_problem(path)

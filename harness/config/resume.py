@@ -1,0 +1,102 @@
+"""A resumed run runs with the relaunch's config: what the relaunch changes applies on top of the loaded state.
+
+Loading a checkpoint restores the optimizer's parameter groups (lr, betas, eps, weight decay, Adam vs AdamW) and
+the schedule's peak lr as they were saved; `apply_optimizer_settings` then sets the relaunch's values on them, so
+that `--optimizer.lr 1e-5` after a loss spike lowers the lr, as `config.toml` says it does. The schedule's shape
+(warmup, decay, training.steps) is the relaunch's already: it is built from the config, and the checkpoint holds
+only its step count. Each change is one log line.
+
+What cannot apply is the data position when the data changed: rows of another dataset, tokenizer or `seq_len`
+would not continue where the saved position points. `data_changes` names those differences (the loader checks
+the data's content too); `checkpoint.restart_data` resumes weights, optimizer and schedule and reads the data
+from its start instead.
+
+A checkpoint's run config is read under today's names (harness/config/renamed.py): one saved before a key was
+renamed compares like with like.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .renamed import with_current_names
+from .schema import JobConfig
+
+if TYPE_CHECKING:
+    import torch
+
+# What the saved data position refers to (keys of JobConfig.to_dict()).
+DATA_KEYS = ("training.dataset_source", "training.dataset_path", "training.dataset_text_field", "training.seq_len",
+             "model.tokenizer_path", "training.dataset_content", "training.chat_messages_field",
+             "training.chat_targets", "training.chat_overlong")
+SCHEDULE_KEYS = ("training.steps", "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio",
+                 "lr_scheduler.decay_type", "lr_scheduler.min_lr_factor")
+# Read afresh at every launch, or not about the training itself: never worth a line.
+_QUIET_KEYS = ("checkpoint.load_step", "checkpoint.restart_data", "job.description")
+
+
+def _flat(config: dict) -> dict:
+    """{section.key: value} of a run config, under today's names."""
+    return {f"{section}.{key}": value for section, keys in with_current_names(config).items()
+            for key, value in keys.items()}
+
+
+def _same(key: str, saved, now, source: str) -> bool:
+    if key.endswith("_path") and saved and now and not (key == "training.dataset_path" and source == "hf"):
+        return os.path.realpath(saved) == os.path.realpath(now)  # the same file, named from another folder
+    return saved == now
+
+
+def data_changes(saved_config: dict | None, run_config: dict) -> list[str]:
+    """`key saved -> now` for each DATA_KEYS value that differs between a checkpoint's run config and this run's
+    (`JobConfig.to_dict()` both; [] for a checkpoint saved without its config)."""
+    if saved_config is None:
+        return []
+    saved, now = _flat(saved_config), _flat(run_config)
+    source = now.get("training.dataset_source", "")
+    return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in DATA_KEYS
+            if key in saved and key in now and not _same(key, saved[key], now[key], source)]
+
+
+def other_changes(saved_config: dict | None, cfg: JobConfig) -> list[str]:
+    """`key saved -> now` for every other key the relaunch changed (the optimizer's are reported where applied)."""
+    if saved_config is None:
+        return []
+    saved, now = _flat(saved_config), _flat(cfg.to_dict())
+    skip = set(DATA_KEYS) | set(_QUIET_KEYS) | {k for k in now if k.startswith("optimizer.")}
+    return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in now
+            if key in saved and key not in skip and saved[key] != now[key]]
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, lr_scheduler, cfg: JobConfig) -> list[str]:
+    """Set the relaunch's optimizer settings on a loaded optimizer and LR schedule (built by harness/optim);
+    returns one `optimizer.<key> old -> new` line per value that changed."""
+    o = cfg.optimizer
+    # Group 0 holds the matrices (decayed), group 1 the 1-D parameters (never decayed): optim/optimizer.py.
+    wanted = [{"betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay if i == 0 else 0.0,
+               "decoupled_weight_decay": o.name == "AdamW"} for i in range(len(optimizer.param_groups))]
+    changed: dict[str, tuple] = {}
+    for group, want in zip(optimizer.param_groups, wanted):
+        for key, value in want.items():
+            old = tuple(group[key]) if key == "betas" else group.get(key)
+            if old != value and key not in changed:
+                changed[key] = (old, value)
+            group[key] = value
+    for i, group in enumerate(optimizer.param_groups):
+        if lr_scheduler.base_lrs[i] != o.lr and "lr" not in changed:
+            changed["lr"] = (lr_scheduler.base_lrs[i], o.lr)
+        lr_scheduler.base_lrs[i] = group["initial_lr"] = o.lr
+        # The lr in force for the next update under the relaunch's schedule (lr_schedule.build_lr_scheduler).
+        group["lr"] = o.lr * lr_scheduler.lr_lambdas[i](lr_scheduler.last_epoch)
+    lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    lines = []
+    for key, (old, new) in changed.items():
+        if key == "decoupled_weight_decay":
+            lines.append(f"optimizer.name {'AdamW' if old else 'Adam'} -> {o.name}")
+        elif key == "weight_decay":
+            lines.append(f"optimizer.weight_decay {old} -> {new}")
+        else:
+            lines.append(f"optimizer.{key} {list(old) if key == 'betas' else old} -> "
+                         f"{list(new) if key == 'betas' else new}")
+    return lines
