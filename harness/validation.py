@@ -28,7 +28,9 @@ from parallel.parallelize import reshard_fsdp
 from .config import JobConfig
 from .data.chat import chat_options
 from .data.errors import DataError
-from .data.loader import IGNORE_INDEX, TokenCacheLoader, build_dataloader
+from .data.cached import TokenCacheLoader
+from .data.loader import build_dataloader
+from .data.rows import IGNORE_INDEX
 
 
 class Validator:

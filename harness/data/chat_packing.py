@@ -1,5 +1,5 @@
 """Chat rows: whole conversations packed greedily into padded rows (the layout; the loaders that deal and resume the
-rows are harness/data/loader.py's ChatCacheLoader and ChatStreamPacker).
+rows are harness/data/cached.py's ChatCacheLoader and harness/data/streamed.py's ChatStreamPacker).
 
 The contract (docs/design.md, "Chat data"), for L = seq_len and rows of R = L + 1 tokens:
   - a conversation is never split across rows: its reply must see its prompt. Conversations are taken in order;

@@ -23,7 +23,8 @@ used: JSON nested deeper than Python reads, an integer longer than Python conver
 the UTF-8 bytes of a parquet or Hugging Face record's strings) are left out the same way before they are decoded or
 parsed: a conversation far longer than a row costs seconds and gigabytes to render, only to be dropped or cut.
 Whole records (`rows=True`) are fatal only where the file is damaged or `field` is missing; what the record holds
-is judged by its renderer (harness/data/chat.py). Packing the documents into rows is harness/data/loader.py's job.
+is judged by its renderer (harness/data/chat.py). Packing the documents into rows is the loaders' job
+(harness/data/cached.py, harness/data/streamed.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import harness.data.loader
+import harness.data.cached
 from harness.data import token_cache
 from harness.data.loader import build_dataloader
 from harness.data.tokenizer import ByteTokenizer
@@ -27,14 +27,14 @@ from harness.data.tokenizer import ByteTokenizer
 def build(folder: str, dataset: str, unit_bytes: str) -> bool:
     """Whether the build succeeded (every rank's answer is the same)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    units, read_unit = [], harness.data.loader.read_unit
+    units, read_unit = [], harness.data.cached.read_unit
 
     def recording_read_unit(kind, unit, text_field="text"):
         units.append([unit.start, unit.stop])
         return read_unit(kind, unit, text_field)
 
-    with (mock.patch.object(harness.data.loader, "UNIT_BYTES", int(unit_bytes)),
-          mock.patch.object(harness.data.loader, "read_unit", recording_read_unit)):
+    with (mock.patch.object(harness.data.cached, "UNIT_BYTES", int(unit_bytes)),
+          mock.patch.object(harness.data.cached, "read_unit", recording_read_unit)):
         try:
             loader = build_dataloader("jsonl", os.path.join(folder, dataset), "text", ByteTokenizer(), 16, 2,
                                       dp_rank=rank, dp_world_size=world, cache_dir=os.path.join(folder, "cache"))

@@ -4,7 +4,7 @@ data and a damaged cache alike: a DataError, exit 2, on both)."""
 import json
 from pathlib import Path
 
-import harness.data.loader
+import harness.data.cached
 from harness.data.loader import build_dataloader
 from harness.data.sources import source_units
 from harness.data.tokenizer import ByteTokenizer
@@ -45,7 +45,7 @@ def test_two_ranks_build_the_cache_of_one_process_each_tokenizing_only_its_units
     assert len(units) > 10
     assert ranks[0]["units"] == units[0::2] and ranks[1]["units"] == units[1::2]  # each parsed its own units only
 
-    monkeypatch.setattr(harness.data.loader, "UNIT_BYTES", UNIT_BYTES)
+    monkeypatch.setattr(harness.data.cached, "UNIT_BYTES", UNIT_BYTES)
     single = build_dataloader("jsonl", str(dataset), "text", ByteTokenizer(), 16, 4, cache_dir=tmp_path / "one")
     two_folder = Path(ranks[0]["cache"])
     assert ranks[1]["cache"] == str(two_folder) and two_folder.name == single.cache.folder.name

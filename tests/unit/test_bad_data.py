@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import harness.data.loader
+import harness.data.cached
 from harness.data import token_cache
-from harness.data.loader import DataError, StreamPacker, build_dataloader
+from harness.data.loader import DataError, build_dataloader
+from harness.data.streamed import StreamPacker
 from harness.data.token_cache import META_FILE, STARTS_FILE, TOKENS_FILE
 from harness.data.tokenizer import ByteTokenizer
 from harness.train import BAD_INPUT, main
@@ -264,7 +265,7 @@ def test_an_interrupted_build_removes_its_temporary_folder(tmp_path, monkeypatch
         yield "a first document"
         raise KeyboardInterrupt  # what Ctrl-C, or SIGTERM under harness/train.py, raises mid-build
 
-    monkeypatch.setattr(harness.data.loader, "read_unit", interrupted)
+    monkeypatch.setattr(harness.data.cached, "read_unit", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build(source, tmp_path / "cache")
     assert leftovers(tmp_path / "cache") == []

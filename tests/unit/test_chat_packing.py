@@ -17,7 +17,9 @@ from harness.config import ConfigError
 from harness.data.chat import ChatEncoder, ChatOptions
 from harness.data.chat_packing import pack_conversations
 from harness.data.errors import DataError
-from harness.data.loader import IGNORE_INDEX, ChatStreamPacker, PrefetchingLoader, build_dataloader
+from harness.data.loader import IGNORE_INDEX, build_dataloader
+from harness.data.prefetch import PrefetchingLoader
+from harness.data.streamed import ChatStreamPacker
 from harness.data.sources import Row
 from harness.data.tokenizer import HFTokenizer
 from harness.config import check_launch

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.data.loader import IGNORE_INDEX, DataError, PrefetchingLoader, StreamPacker, build_dataloader
+from harness.data.loader import IGNORE_INDEX, DataError, build_dataloader
+from harness.data.prefetch import PrefetchingLoader
+from harness.data.streamed import StreamPacker
 from harness.data.sources import open_documents, read_unit, source_units
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
@@ -44,7 +46,7 @@ def expected_stream(docs: list[str], tok) -> tuple[list[int], list[bool]]:
 
 
 def expected_rows(docs: list[str], tok, L: int) -> list[dict[str, list[int]]]:
-    """Every full row of the packed stream, written out from the contract (not from harness.data.loader)."""
+    """Every full row of the packed stream, written out from the contract (not from harness/data/rows.py)."""
     tokens, starts = expected_stream(docs, tok)
     rows = []
     for k in range((len(tokens) - 1) // L):

@@ -84,15 +84,15 @@ def test_bad_input_under_torchrun_itself_is_one_error_line_not_one_per_rank(bad,
 DATA_FAULT = """
 import os
 if os.environ.get("RANK") == "1":
-    import harness.data.loader as loader
+    import harness.data.cached as cached
     from harness.data.errors import DataError
-    fetch, calls = loader.TokenCacheLoader.__next__, []
+    fetch, calls = cached.TokenCacheLoader.__next__, []
     def failing(self):
         calls.append(1)
         if len(calls) == 14:
             raise DataError("row 7 of shard 3 is damaged")
         return fetch(self)
-    loader.TokenCacheLoader.__next__ = failing
+    cached.TokenCacheLoader.__next__ = failing
 """
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import harness.data.loader
+import harness.data.cached
 from harness.data.loader import DataError, build_dataloader
 from harness.data.sources import source_units
 from harness.data.token_cache import META_FILE, STARTS_FILE, TOKENS_FILE, publish, tokenizer_identity
@@ -98,7 +98,7 @@ def test_cache_is_the_same_whatever_the_unit_size(tmp_path, monkeypatch):
     source = tmp_path / "d.txt"
     source.write_text("\n\n".join(random_documents(40, seed=8)) + "\n")
     whole = build(source, tmp_path / "whole", kind="text").cache.folder
-    monkeypatch.setattr(harness.data.loader, "UNIT_BYTES", 37)
+    monkeypatch.setattr(harness.data.cached, "UNIT_BYTES", 37)
     assert len(source_units("text", [source], 37)) > 20
     split = build(source, tmp_path / "split", kind="text").cache.folder
     assert folder_bytes(split) == folder_bytes(whole)
@@ -110,14 +110,14 @@ def test_parquet_row_groups_are_the_work_units(tmp_path, monkeypatch):
     docs = random_documents(25, seed=9)
     source = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": docs}), source, row_group_size=4)
-    assert len(source_units("parquet", [source], harness.data.loader.UNIT_BYTES)) == 7
-    seen, real_read_unit = [], harness.data.loader.read_unit
+    assert len(source_units("parquet", [source], harness.data.cached.UNIT_BYTES)) == 7
+    seen, real_read_unit = [], harness.data.cached.read_unit
 
     def recording_read_unit(kind, unit, text_field="text"):
         seen.append(unit)
         return real_read_unit(kind, unit, text_field)
 
-    monkeypatch.setattr(harness.data.loader, "read_unit", recording_read_unit)
+    monkeypatch.setattr(harness.data.cached, "read_unit", recording_read_unit)
     folder = build(source, tmp_path / "cache", kind="parquet").cache.folder
     assert [(u.start, u.stop) for u in seen] == [(i, i + 1) for i in range(7)]
     assert np.fromfile(folder / TOKENS_FILE, dtype=np.uint32).tolist() == expected_stream(docs, ByteTokenizer())[0]
@@ -166,7 +166,7 @@ def test_publishing_onto_a_cache_another_job_published_keeps_that_one(tmp_path):
 
 
 def test_a_bad_line_fails_the_build_and_leaves_nothing_behind(tmp_path, monkeypatch):
-    monkeypatch.setattr(harness.data.loader, "UNIT_BYTES", 64)
+    monkeypatch.setattr(harness.data.cached, "UNIT_BYTES", 64)
     source = tmp_path / "bad.jsonl"
     source.write_text("\n".join([json.dumps({"text": f"document {i}"}) for i in range(12)] + ["{oops"]) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:13: not a JSON object"):

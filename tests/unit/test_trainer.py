@@ -203,7 +203,7 @@ def test_a_tiny_dataset_does_not_log_every_epoch(tmp_path, caplog):
     corpus = tmp_path / "tiny.jsonl"
     corpus.write_text('{"text": "' + "x" * 300 + '"}\n')  # ~300 tokens: 4 rows of 64, then it wraps
     loader = build_dataloader("jsonl", str(corpus), "text", ByteTokenizer(), 64, 1, cache_dir=str(tmp_path / "c"))
-    with caplog.at_level(logging.INFO, logger="harness.data.loader"):
+    with caplog.at_level(logging.INFO, logger="harness.data"):
         for _ in range(4 * 100):  # 100 epochs
             next(loader)
     epoch_lines = [r for r in caplog.records if "epoch" in r.getMessage()]
