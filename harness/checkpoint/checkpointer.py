@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 from models.qwen35_moe.init import canonical_name
 
 from ..data.errors import DataError
-from ..resume_config import data_changes
+from ..config.resume import data_changes
 from .integrity import (
     ALGORITHM,
     COMPLETE,
