@@ -36,7 +36,8 @@ import models.qwen35_moe.gated_deltanet as gdn_module  # noqa: E402
 from bench_model import bench_args, cuda_median_ms  # noqa: E402
 from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
 from models.qwen35_moe.kernels.causal_conv import torch_causal_conv1d  # noqa: E402
-from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward, torch_chunk_gated_delta_rule  # noqa: E402
+from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward  # noqa: E402
+from models.qwen35_moe.kernels.gated_delta_rule import torch_chunk_gated_delta_rule  # noqa: E402
 from models.qwen35_moe.documents import document_layout  # noqa: E402
 from models.qwen35_moe.hooks import ParallelHooks  # noqa: E402
 from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet  # noqa: E402

@@ -50,7 +50,7 @@ def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device,
     """A plain transformers loop over `batches`; returns median tokens/s and peak memory after warm-up."""
     from transformers import AutoConfig, Qwen3_5MoeForCausalLM
 
-    from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward
+    from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward
 
     if device.type == "cuda":  # FLA refuses its backward on Hopper with Triton < 3.7.1 unless this self-check passes
         enable_fla_hopper_backward(args.linear_num_key_heads, args.linear_num_value_heads,

@@ -13,7 +13,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
-from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward, refuse_fla_hopper_backward, require_fla
+from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward, refuse_fla_hopper_backward
+from models.qwen35_moe.kernels.gated_delta_rule import require_fla
 from models.qwen35_moe.moe import force_balanced_routing
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
@@ -93,8 +94,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
                            expert_dispatch=cfg.parallelism.expert_parallel_dispatch,
                            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward != "never",
                            vocab_parallel=meshes is not None and _vocab_parallel(cfg, args, meshes),
-                           # one GPU: weights read from kept copies, not cast (models/qwen35_moe/linear.py); with one
-                           # backward a step the gradients stay in the copies' bf16, which then holds them exactly
+                           # one GPU: weights read from kept copies, not cast (parallel/one_device_precision.py);
+                           # with one backward a step the gradients stay in the copies' bf16, which holds them exactly
                            weight_copies=on_gpu, grads_in_copies=grad_accum_steps == 1, train_mtp=train_mtp)
     model.to_empty(device=device)
     model.init_weights(cfg.training.seed)

@@ -194,8 +194,8 @@ class Trainer:
         max_norm = self.cfg.training.max_norm
         # FastAdam (the optimizer on CUDA) applies the clipping as it reads the gradients: no pass of its own
         scales = isinstance(self.optimizer, FastAdam)
-        copies = self.model.weight_copies  # one GPU: some gradients may be held by the weights' bf16 copies
-        holders = [*self.model.parameters(), *(copies.gradient_holders() if copies is not None else ())]
+        from parallel.one_device_precision import gradient_holders  # one GPU: bf16 weight copies hold gradients
+        holders = gradient_holders(self.model)
         grad_norm = clip_grad_norm_(holders, math.inf if max_norm is None else max_norm,
                                     scaling_optimizer=self.optimizer if scales else None)
         # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.

@@ -58,7 +58,7 @@ class CPContext:
     """One CP group: its size, this rank's place in it, and the sequence exchanges over it."""
 
     def __init__(self, mesh: DeviceMesh):
-        self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+        self.size, self.rank = mesh.size(), mesh.get_local_rank()
         self.group = mesh.get_group()
 
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -5,7 +5,7 @@ cannot do: under expert parallelism the experts' gradients live on the (efsdp, e
 gradient on the FSDP mesh. Here the gradients are grouped by mesh and placements; each group's local tensors
 (a DTensor's shard) give a sum of squares, summed over the mesh dimensions the group is sharded on (not over
 those it is replicated on), and each group is scaled in place, or by the optimizer's step itself where it can
-(FastAdam's grad_scale). Half-precision gradients (kept weight copies', models/qwen35_moe/linear.py) are
+(FastAdam's grad_scale). Half-precision gradients (kept weight copies', parallel/one_device_precision.py) are
 normed in fp32, as their fp32 upcasts would be.
 
 The local norms are plain tensor ops: DTensor's own norm dispatches each gradient's ops through its Python

@@ -16,13 +16,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models.qwen35_moe.fp32_contract import Fp32ParamsModule
 from models.qwen35_moe.hooks import ParallelHooks
-from models.qwen35_moe.linear import WeightCopies
 from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 
 from .activation_checkpointing import checkpointed_runners
 from .compile import compiled_runners
 from .context_parallel import CPContext
 from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
+from .one_device_precision import OneDevicePrecision
 from .replicated_params import ReplicatedParams
 from .vocab_parallel import shard_vocab_rows
 
@@ -92,7 +92,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     only: the trainer completes the average (`scale_expert_gradients`). Where that mesh is one rank (ep equal to
     dp_shard x cp, e.g. EP=2 on 2 GPUs) the experts are left out of FSDP altogether: sharding over one rank would
     only copy them (cast, gather, split, and their gradients' concatenation) several times a step. They are cast
-    where they are used instead (models/qwen35_moe/linear.py) and their gradients need no reduction.
+    where they are used instead (models/qwen35_moe/moe.py) and their gradients need no reduction.
 
     The fp32 contract (docs/design.md): each GDN layer's fp32 parameters (SSMGate's A_log and dt_bias, the output
     norm's weight; ~200 values) are left out of FSDP and kept whole on every rank, in fp32, their gradients
@@ -194,10 +194,10 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     `vocab_parallel`: the embedding and the lm_head vocabulary-parallel over the FSDP mesh (vocab_parallel.py).
 
     One rank (one GPU, or a single process) gets no FSDP: its weights stay whole fp32 parameters and, given a
-    `param_dtype`, the model computes in it (`compute_dtype`), casting each weight where it is used, as FSDP's
-    mixed precision would, without FSDP's copies and hooks. There `weight_copies` keeps a copy of each weight in
-    `param_dtype` that the optimizer rewrites as it updates the weight (models/qwen35_moe/linear.py), holding the
-    weights' gradients too with `grads_in_copies` (one backward a step). `train_mtp`: the forward runs the MTP
+    `param_dtype`, the model computes in it (one_device_precision.py), casting each weight where it is used, as
+    FSDP's mixed precision would, without FSDP's copies and hooks; with `weight_copies` reading instead a copy of
+    each weight in `param_dtype` that the optimizer rewrites as it updates the weight, which holds the weight's
+    gradient too with `grads_in_copies` (one backward a step). `train_mtp`: the forward runs the MTP
     layers (their FSDP unit is gathered ahead, after the last block's). Returns the model, parallelized in place."""
     sharded = mesh is not None and mesh.size() > 1
     hooks = ParallelHooks(sharding=DTensorSharding())
@@ -218,10 +218,9 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     if sharded and vocab_parallel:
         hooks.vocab_parallel = shard_vocab_rows(model, mesh, param_dtype)
         vocab_params = hooks.vocab_parallel.params
-    if not sharded:  # one rank: nothing to shard; the fp32 weights are cast where they are used (linear.py)
-        hooks.compute_dtype = param_dtype
-        if weight_copies and param_dtype is not None:
-            hooks.weight_copies = WeightCopies(model, param_dtype, grads_in_copies=grads_in_copies)
+    if not sharded and param_dtype is not None:  # one rank: nothing to shard, the weights stay fp32 parameters
+        hooks.mixed_precision = OneDevicePrecision(param_dtype, kept_copies=weight_copies,
+                                                   grads_in_copies=grads_in_copies)
     model.set_parallel_hooks(hooks)
     if sharded:
         apply_fsdp(model, mesh, param_dtype, reduce_dtype, expert_fsdp_mesh, reshard_after_forward, vocab_params,

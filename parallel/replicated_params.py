@@ -16,40 +16,55 @@ or HF load gives every rank the whole tensor. The optimizer then updates identic
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .torch_internals import own_parameters, run_when_backward_ends
+
 
 class ReplicatedParams:
     """Averages the gradients of `modules`' own parameters (whole on every rank of `mesh`) over the mesh at the end
     of each backward that gave any of them a gradient, as FSDP averages its units' (a parameter without one counts
-    as zeros). `model`: the module whose forward uses them."""
+    as zeros). `model`: the module whose forward uses them.
+
+    Like FSDP's own reduction, by hooks on the parameters and on the model's forward (FSDP's root forward hook binds
+    its state to the materialised parameters the same way), not through an extension point of the model: averaging
+    gradients changes nothing the forward computes (docs/design.md, "Model extension points")."""
 
     def __init__(self, model: nn.Module, modules: list[nn.Module], mesh: DeviceMesh):
-        self.owners = [(module, name) for module in modules for name, _ in module.named_parameters(recurse=False)]
+        # Where each module keeps each of its parameters (read without nn.Module's attribute lookup: every forward)
+        self.slots = [(parameters, name) for parameters in map(own_parameters, modules)
+                      for name, param in parameters.items() if param is not None]
         self.mesh = mesh
         self._queued = False
+        self._hooked: list[nn.Parameter] = []  # the parameters whose gradient hooks are registered
         model.register_forward_pre_hook(self._hook_params)
 
     @property
     def params(self) -> list[nn.Parameter]:
-        return [module._parameters[name] for module, name in self.owners]
+        return [parameters[name] for parameters, name in self.slots]
 
     def _hook_params(self, *_) -> None:
         """Hook the parameters the forward is about to use: materialising a model built on the meta device
         (`to_empty`) replaces its parameter objects, and with them any hook registered before."""
         self._queued = False  # a backward that raised never ran its callback
-        for param in self.params:
-            if not getattr(param, "_averaged_over_replicas", False):
+        params = self.params
+        if len(params) == len(self._hooked) and all(map(operator.is_, params, self._hooked)):
+            return
+        hooked = set(map(id, self._hooked))
+        for param in params:
+            if id(param) not in hooked:
                 param.register_post_accumulate_grad_hook(self._queue)
-                param._averaged_over_replicas = True
+        self._hooked = params
 
     def _queue(self, param: torch.Tensor) -> None:
         if not self._queued:  # once per backward: the callback runs when the engine has finished it
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._average)
+            run_when_backward_ends(self._average)
 
     @torch.no_grad()
     def _average(self) -> None:

@@ -1,21 +1,32 @@
-"""The two places where the project relies on torch internals beyond its public API, each behind a version guard
-and checked by tests/unit/test_torch_internals.py, which fails when a torch release changes what they rely on.
+"""Where the project relies on torch internals beyond its public API, each behind a version guard (a warning, once,
+on a torch it was not checked on) and checked by tests/unit/test_torch_internals.py, which fails when a torch
+release changes the behaviour relied on.
 
 1. Dynamo keeps compiled frames per code object (`function_with_own_frames`): a function given a copy of another's
-   code gets compiled frames of its own. The first decoder block uses that under FSDP (parallel/compile.py).
+   code gets compiled frames of its own. The first decoder block uses that under FSDP (compile.py).
 2. Selective activation checkpointing matches every dispatched op of the recompute against the forward's, except
-   the ops in `torch.utils.checkpoint.SAC_IGNORED_OPS` (`ignore_profiler_ranges_in_selective_checkpointing`): FSDP2's
-   hooks open profiler ranges a different number of times in the two (parallel/activation_checkpointing.py).
+   the ops in `torch.utils.checkpoint.SAC_IGNORED_OPS`, a global set that
+   `ignore_profiler_ranges_in_selective_checkpointing` adds the profiler's range ops to: FSDP2's hooks open profiler
+   ranges a different number of times in the two (activation_checkpointing.py).
+3. The autograd engine runs a callback queued during a backward once that backward has finished
+   (`run_when_backward_ends`): the replicated parameters' gradients are averaged then (replicated_params.py).
+4. A module keeps its own parameters in the dict `_parameters`, which assignment, `to_empty()` and `.to()` update in
+   place (`own_parameters`): what must find a module's current parameters at every forward reads them there,
+   without nn.Module's attribute lookup, many times dearer (one_device_precision.py, replicated_params.py).
+5. A tensor's version counter moves with every in-place change made through torch, and not with a kernel's writes
+   through a raw pointer (`version_counters`): one GPU's weight copies are recast when their weight changed by
+   anything but FastAdam's kernel, which writes the copy itself (one_device_precision.py).
 """
-
 from __future__ import annotations
 
 import functools
 import logging
+import operator
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -57,3 +68,26 @@ def ignore_profiler_ranges_in_selective_checkpointing() -> None:
         packet = getattr(torch.ops.profiler, name, None)
         for overload in packet.overloads() if packet is not None else []:
             checkpoint_module.SAC_IGNORED_OPS.add(getattr(packet, overload))
+
+
+def run_when_backward_ends(callback: Callable[[], None]) -> None:
+    """From inside a backward (a gradient hook): run `callback` once the whole backward has finished."""
+    _guard("run_when_backward_ends (parallel/torch_internals.py)")
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The live dict of `module`'s own parameters by name: it holds what `getattr(module, name)` returns, after any
+    assignment, `to_empty()` or `.to()`."""
+    _guard("own_parameters (parallel/torch_internals.py)")
+    return module._parameters
+
+
+_version = operator.attrgetter("_version")
+
+
+def version_counters(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter, which every in-place change made through torch moves (an optimizer's step,
+    `copy_`, `load_state_dict`) and a write through a raw pointer (a Triton kernel's store) does not."""
+    _guard("version_counters (parallel/torch_internals.py)")
+    return list(map(_version, tensors))

@@ -77,8 +77,8 @@ class VocabShard:
     entropy calls (`gather`, `combine`, `own`, `scatter_sum`, `weight_grad`; models/qwen35_moe/kernels/
     linear_cross_entropy.py). The model holds it as `vocab_parallel` (models/qwen35_moe/hooks.py)."""
 
-    def __init__(self, mesh: DeviceMesh, vocab: int, compute_dtype: torch.dtype | None):
-        self.mesh, self.compute_dtype = mesh, compute_dtype
+    def __init__(self, mesh: DeviceMesh, vocab: int, param_dtype: torch.dtype | None):
+        self.mesh, self.param_dtype = mesh, param_dtype  # FSDP's: the rows are cast to it as FSDP casts its units
         self.group = mesh.get_group(mesh.ndim - 1)
         self.size, self.rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         self.replicas = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
@@ -88,12 +88,12 @@ class VocabShard:
 
     # The two modules' calls.
     def embed(self, ids: torch.Tensor, weight: DTensor) -> torch.Tensor:
-        """ids (...) on this rank -> (..., hidden) rows of the sharded table, in the compute dtype."""
+        """ids (...) on this rank -> (..., hidden) rows of the sharded table, in FSDP's param dtype."""
         table = _AverageGradient.apply(weight.to_local(), self)
         local = self.gather(ids.flatten()) - self.start
         here = (local >= 0) & (local < self.stop - self.start)
         rows = F.embedding(torch.where(here, local, 0), table)
-        rows = torch.where(here.unsqueeze(1), rows, 0).to(self.compute_dtype or rows.dtype)
+        rows = torch.where(here.unsqueeze(1), rows, 0).to(self.param_dtype or rows.dtype)
         # One non-zero row per token: the sum is exact in any dtype.
         return reduce_scatter_sum(rows, self.group).view(*ids.shape, -1)
 
@@ -139,11 +139,11 @@ class VocabShard:
         return grad
 
 
-def shard_vocab_rows(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None) -> VocabShard:
+def shard_vocab_rows(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None) -> VocabShard:
     """Shard the embedding and the lm_head (one parameter if tied) by rows over `mesh`, as DTensors with FSDP's
     placements (so a checkpoint is the same whichever way they train). Returns their exchanges, for the model's
     `vocab_parallel`; FSDP must leave the sharded parameters alone (`VocabShard.params`)."""
-    shard = VocabShard(mesh, model.embed_tokens.num_embeddings, compute_dtype)
+    shard = VocabShard(mesh, model.embed_tokens.num_embeddings, param_dtype)
     tied = model.lm_head.weight is model.embed_tokens.weight
     sharded = []
     for module in (model.embed_tokens,) if tied else (model.embed_tokens, model.lm_head):

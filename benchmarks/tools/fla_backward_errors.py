@@ -1,5 +1,5 @@
 """How far FLA's gated delta rule (bf16, Hopper guard bypassed) lands from the float64 reference fed the same
-bf16 inputs: the measurement behind FLA_CHECK_ERROR_BOUND / FLA_CHECK_BIAS_BOUND in gated_delta_rule.py
+bf16 inputs: the measurement behind FLA_CHECK_ERROR_BOUND / FLA_CHECK_BIAS_BOUND in fla_hopper_guard.py
 (docs/performance.md, "FLA's gated delta rule against float64").
 
     python benchmarks/tools/fla_backward_errors.py [35B-A3B gpu-tests 397B-A17B]
@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
-from models.qwen35_moe.kernels.gated_delta_rule import (  # noqa: E402
+from models.qwen35_moe.kernels.fla_hopper_guard import (  # noqa: E402
     FLA_CHECK_BIAS_BOUND, FLA_CHECK_CASES, FLA_CHECK_ERROR_BOUND, fla_check_failures, fla_gated_delta_rule_errors,
-    fla_hopper_guard_fires, gated_delta_rule, torch_chunk_gated_delta_rule)
+    fla_hopper_guard_fires)
+from models.qwen35_moe.kernels.gated_delta_rule import gated_delta_rule, torch_chunk_gated_delta_rule  # noqa: E402
 from tests.fault_injection import kernel_with_wrong_dg  # noqa: E402
 
 SHAPES = {"35B-A3B": (16, 32, 128, 128), "gpu-tests": (2, 4, 128, 128), "397B-A17B": (16, 64, 128, 128)}

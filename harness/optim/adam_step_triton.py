@@ -1,6 +1,6 @@
 """One Adam/AdamW step of many parameters in one Triton kernel (fast_adam.py): reads the fp32 parameter, gradient
 and two moments once, writes the parameter and moments once, with torch's Adam math in fp32, and, if the parameter
-has a kept copy in a half-precision compute dtype (models/qwen35_moe/linear.py), the new value rounded into it.
+has a kept copy in a half-precision compute dtype (parallel/one_device_precision.py), the new value rounded into it.
 The gradient may be in that half-precision dtype too (a copy's gradient), read and upcast. CUDA only."""
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ The math, the state (step, exp_avg, exp_avg_sq) and so the state dict and checkp
 clipping without a pass of its own (parallel/grad_norm.py). Tensors the kernel does not take (off CUDA, not fp32,
 not contiguous) get the same math from torch's ops (torch's single-tensor Adam).
 
-`weight_copies` (models/qwen35_moe/linear.py, one GPU): the kernel also writes each updated parameter's kept copy
+`weight_copies` (parallel/one_device_precision.py, one GPU): the kernel also writes each updated parameter's kept copy
 in the compute dtype (2 bytes per parameter), so the forward reads it instead of casting the weight. The kernel
 writes the parameter without bumping its version counter, which is what tells the copy current; the torch path
-bumps it, and the model then recasts the copy before its next forward. Where the copies hold the gradients
+bumps it, and the copy is then recast before the model's next forward. Where the copies hold the gradients
 (`grads_in_copies`), the step reads a weight's gradient from its copy, in the compute dtype, and `zero_grad`
 clears those too.
 """

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel.one_device_precision import weight_copies_of
+
 from ..config import Optimizer as OptimizerConfig
 from .fast_adam import FastAdam
 
@@ -21,7 +23,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     if device.type == "cuda":
         return FastAdam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                         decoupled_weight_decay=cfg.name == "AdamW",
-                        weight_copies=getattr(model, "weight_copies", None))  # one GPU: kept bf16 copies
+                        weight_copies=weight_copies_of(model))  # one GPU: kept bf16 copies
     cls = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     # foreach=None, torch's default: its single-tensor step on CPU (the same math). The foreach step cannot take
     # plain tensors next to DTensors in one call, and under FSDP the GDN layers' fp32 parameters are plain

@@ -18,7 +18,7 @@ from .documents import DocumentLayout
 from .fp32_contract import HOLDER_NAME, Fp32ParamsModule, at_least_fp32
 from .hooks import ContextParallel, ParallelHooks
 from .kernels.gated_delta_rule import gated_delta_rule
-from .linear import Linear, weight_in
+from .linear import Linear
 from .norms import GatedRMSNorm
 
 
@@ -41,12 +41,12 @@ class CPAwareGatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer.
 
     Alone (`context_parallel` None, the default) it mixes its input's rows. Under context parallelism
-    (`context_parallel`, the CP group's exchanges, and `_cp_mesh`, its mesh; hooks.py) each rank holds its zigzag share of every row, gathers the whole rows, runs the projections, causal conv and gated
-    delta rule on them for its 1/cp of the heads (in natural order, with the rows' document boundaries: exact,
-    and the recurrence's compute and memory split cp ways), and reduce-scatters the out_proj partial sums back
-    to its tokens. Gathering the layer input (D channels) and scattering the output (D) moves 2 * D per token,
-    where exchanging the projected q, k, v, z, a, b instead would move 2 * (Hk * Dk + Hv * Dv + Hv) + Hv * Dv
-    (for 35B-A3B: 4,096 against 16,448)."""
+    (`context_parallel`, the CP group's exchanges; hooks.py) each rank holds its zigzag share of every row, gathers
+    the whole rows, runs the projections, causal conv and gated delta rule on them for its 1/cp of the heads (in
+    natural order, with the rows' document boundaries: exact, and the recurrence's compute and memory split cp
+    ways), and reduce-scatters the out_proj partial sums back to its tokens. Gathering the layer input (D
+    channels) and scattering the output (D) moves 2 * D per token, where exchanging the projected q, k, v, z, a, b
+    instead would move 2 * (Hk * Dk + Hv * Dv + Hv) + Hv * Dv (for 35B-A3B: 4,096 against 16,448)."""
 
     def __init__(self, args: Qwen35MoeArgs):
         super().__init__()
@@ -69,12 +69,10 @@ class CPAwareGatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=args.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, dim, bias=False)
         self.context_parallel: ContextParallel | None = None  # hooks.py
-        self._cp_mesh = None  # the CP DeviceMesh, set with context_parallel (docs/design.md, "Parallelism")
 
     def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
-        """This layer's extension point (hooks.py): the CP group's exchanges, and its mesh."""
+        """This layer's extension point (hooks.py): the CP group's exchanges."""
         self.context_parallel = hooks.context_parallel
-        self._cp_mesh = None if hooks.context_parallel is None else hooks.context_parallel.mesh
 
     A_log = property(lambda self: self._fp32_params.A_log, doc="fp32 A_log of the SSM gate (read-only)")
     dt_bias = property(lambda self: self._fp32_params.dt_bias, doc="fp32 dt_bias of the SSM gate (read-only)")
@@ -104,18 +102,17 @@ class CPAwareGatedDeltaNet(nn.Module):
         if cu_seqlens is not None:
             x = x.reshape(1, batch * seq, -1)  # varlen kernels take one flattened stream
         tokens = x.shape[:2]
-        # Weights in the input's dtype (linear.py: kept copies on one GPU, a no-op under FSDP's bf16 policy).
-        w_qkv = _rows(weight_in(self.in_proj_qkv, "weight", x.dtype), qkv_rows, groups)
+        w_qkv = _rows(self.in_proj_qkv.weight_as(x.dtype), qkv_rows, groups)
         w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups).to(x.dtype)
         q, k, v = causal_conv1d_qkv(F.linear(x, w_qkv), w_conv, (hk * dk, hk * dk, hv * dv), layout.position_ids,
                                     cu_seqlens)  # each (b, t, part)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
-        beta = F.linear(x, _rows(weight_in(self.in_proj_b, "weight", x.dtype), [heads], groups)).sigmoid()  # (b, t, hv)
-        a = F.linear(x, _rows(weight_in(self.in_proj_a, "weight", x.dtype), [heads], groups))
+        beta = F.linear(x, _rows(self.in_proj_b.weight_as(x.dtype), [heads], groups)).sigmoid()  # (b, t, hv)
+        a = F.linear(x, _rows(self.in_proj_a.weight_as(x.dtype), [heads], groups))
         g = self._fp32_params(a, heads)  # fp32
 
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
-        z = F.linear(x, _rows(weight_in(self.in_proj_z, "weight", x.dtype), [values], groups)).reshape(*tokens, hv, dv)
+        z = F.linear(x, _rows(self.in_proj_z.weight_as(x.dtype), [values], groups)).reshape(*tokens, hv, dv)
         o = self.norm(o, z).reshape(batch, seq, hv * dv)
         return self.project(o) if projected else o
 
@@ -124,7 +121,7 @@ class CPAwareGatedDeltaNet(nn.Module):
         sums reduce-scattered to this rank's tokens."""
         group, groups = self._head_group()
         values = slice(group * self.value_dim // groups, (group + 1) * self.value_dim // groups)
-        out = F.linear(o, _columns(weight_in(self.out_proj, "weight", o.dtype), values, groups))
+        out = F.linear(o, _columns(self.out_proj.weight_as(o.dtype), values, groups))
         return out if self.context_parallel is None else self.context_parallel.scatter_sequence(out)
 
     def _head_group(self) -> tuple[int, int]:

@@ -9,7 +9,8 @@ function, parallel/parallelize.py).
 | `sharding: ParamSharding` | the model, each RoutedExperts | `UNSHARDED` | `DTensorSharding` (parallelize.py) |
 | `vocab_parallel: VocabParallel` | the embedding, the lm_head | None: the whole table | `VocabShard` (vocab_parallel.py) |
 | `runner: BlockRunner` | each DecoderLayer | `run_block`: plain | compile / AC (compile.py, activation_checkpointing.py) |
-| `compute_dtype`, `weight_copies` | the model | None: the weights' dtype | one GPU's mixed precision (linear.py) |
+| `mixed_precision: MixedPrecision` | the model | None: the weights' dtype | `OneDevicePrecision` (one_device_precision.py) |
+| `weight_reader: WeightReader`, from it | each Linear, RoutedExperts | None: cast where used | `KeptCopies` (one_device_precision.py) |
 
 The model imports nothing from torch.distributed: the protocols below say what it calls, parallel/ implements them.
 """
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from .documents import DocumentLayout
-    from .linear import WeightCopies
 
 
 class ContextParallel(Protocol):
@@ -32,7 +33,6 @@ class ContextParallel(Protocol):
 
     rank: int
     size: int
-    mesh: Any  # the CP DeviceMesh
 
     def gather_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """(..., S/cp, ...) this rank's zigzag tokens -> (..., S, ...) the whole rows in natural order."""
@@ -76,6 +76,27 @@ class VocabParallel(Protocol):
         """The whole weight (gathered; evaluation's logits only)."""
 
 
+class WeightReader(Protocol):
+    """How a module reads its weights in the dtype it computes in, where that is not their own dtype."""
+
+    def read(self, module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """`module`'s weight `name` in `dtype`; the gradient reaches the weight (or whatever holds it for the
+        optimizer)."""
+
+
+class MixedPrecision(Protocol):
+    """The weights stay in their own dtype (fp32) while the blocks compute in `dtype`, where no FSDP policy casts them
+    (one GPU). Set on the model; each Linear and RoutedExperts reads its weights through `reader(module)`."""
+
+    dtype: torch.dtype  # the embedding's rows are cast to it; every module then computes in its input's dtype
+
+    def before_forward(self) -> None:
+        """Called as each forward of the model starts."""
+
+    def reader(self, module: nn.Module) -> WeightReader | None:
+        """What `module` reads its weights through; None: it casts them where it uses them."""
+
+
 BlockRunner = Callable[[torch.nn.Module, torch.Tensor, "DocumentLayout"], tuple]
 """(layer, h, layout) -> the DecoderLayer's outputs, running the block (its mixer and MoE halves) as it
 chooses: plainly, compiled, checkpointed."""
@@ -107,5 +128,4 @@ class ParallelHooks:
     # Per block index (`Qwen35MoeModel.blocks()`: the main stack's, then the MTP layers'): how that block runs
     # (compiled, checkpointed).
     block_runners: list[BlockRunner] | None = None
-    compute_dtype: torch.dtype | None = None
-    weight_copies: WeightCopies | None = None
+    mixed_precision: MixedPrecision | None = None

@@ -24,11 +24,11 @@ from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, document_layout
 from .gated_deltanet import CPAwareGatedDeltaNet
-from .hooks import UNSHARDED, BlockRunner, ContextParallel, ParallelHooks, ParamSharding, VocabParallel
+from .hooks import UNSHARDED, BlockRunner, ContextParallel, MixedPrecision, ParallelHooks, ParamSharding, VocabParallel
 from .init import init_weights
 from .kernels.linear_cross_entropy import linear_cross_entropy_sum
-from .linear import Linear, WeightCopies
-from .moe import RouterStats, SparseMoE, load_balancing_loss
+from .linear import Linear
+from .moe import RoutedExperts, RouterStats, SparseMoE, load_balancing_loss
 from .mtp import MultiTokenPredictor, shifted_ids
 from .norms import ZeroCenteredRMSNorm
 
@@ -100,8 +100,10 @@ class LMHead(Linear):
         if vocab is not None:
             total = linear_cross_entropy_sum(h, vocab.local(self.weight), labels, chunk_tokens, vocab=vocab)
             return total if ce_scale is None else total * ce_scale
+        with torch.no_grad():  # the loss computes the weight's gradient itself, for self.weight
+            weight_in_h_dtype = self.weight_as(h.dtype)
         return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, scale=ce_scale,
-                                        weight_copy=self.weight_copy)
+                                        weight_in_h_dtype=weight_in_h_dtype)
 
 
 def run_block(layer: DecoderLayer, h: torch.Tensor, layout: DocumentLayout):
@@ -168,21 +170,22 @@ class Qwen35MoeModel(nn.Module):
         # The extension points of hooks.py, at their single-device defaults (set_parallel_hooks):
         self.context_parallel: ContextParallel | None = None  # this rank holds a zigzag share of every row
         self.sharding: ParamSharding = UNSHARDED  # how a sharded parameter maps to this rank's tensor (init)
-        # The dtype the blocks compute in when the weights are not already in it (one GPU without FSDP): the
-        # embedding's output is cast to it, and every module follows its input (linear.py). None: the weights'.
-        self.compute_dtype: torch.dtype | None = None
-        # Kept copies of the weights in compute_dtype (linear.py; one GPU), recast before a forward where stale.
-        self.weight_copies: WeightCopies | None = None
+        # The blocks compute in its dtype while the weights keep theirs (one GPU): the embedding's rows are cast to
+        # it, every module then follows its input (linear.py). None: the weights' dtype.
+        self.mixed_precision: MixedPrecision | None = None
 
     def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
         """Set every extension point of the model and its modules from `hooks` (hooks.py), in one call."""
         self.context_parallel, self.sharding = hooks.context_parallel, hooks.sharding
-        self.compute_dtype, self.weight_copies = hooks.compute_dtype, hooks.weight_copies
+        self.mixed_precision = precision = hooks.mixed_precision
         self.embed_tokens.vocab_parallel = self.lm_head.vocab_parallel = hooks.vocab_parallel
         for index, layer in enumerate(self.blocks()):
             layer.mixer.set_parallel_hooks(hooks)
             layer.mlp.set_parallel_hooks(hooks)
             layer.runner = run_block if hooks.block_runners is None else hooks.block_runners[index]
+        for module in self.modules():
+            if isinstance(module, (Linear, RoutedExperts)):
+                module.weight_reader = None if precision is None else precision.reader(module)
 
     def blocks(self) -> list[DecoderLayer]:
         """Every decoder block: the main stack's, then the MTP layers' (`ParallelHooks.block_runners` order)."""
@@ -195,8 +198,6 @@ class Qwen35MoeModel(nn.Module):
         result = super()._apply(fn, recurse)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        if self.weight_copies is not None:  # the copies of the new parameters (the optimizer finds them here)
-            self.weight_copies.make()
         return result
 
     def init_weights(self, seed: int = 0) -> None:
@@ -244,8 +245,8 @@ class Qwen35MoeModel(nn.Module):
         else:
             layout = self.context_parallel.local_layout(position_ids)
 
-        if self.weight_copies is not None:
-            self.weight_copies.refresh()
+        if self.mixed_precision is not None:
+            self.mixed_precision.before_forward()
         h = self._embed(input_ids)
         counts, prob_sums = [], []
         for layer in self.layers.values():
@@ -278,4 +279,4 @@ class Qwen35MoeModel(nn.Module):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, S) ids -> (B, S, D) in the compute dtype."""
         h = self.embed_tokens(ids)  # rows looked up, then cast: the table's gradient is summed in its own dtype
-        return h if self.compute_dtype is None else h.to(self.compute_dtype)
+        return h if self.mixed_precision is None else h.to(self.mixed_precision.dtype)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import Qwen35MoeArgs
-from .hooks import UNSHARDED, ExpertDispatch, ParallelHooks, ParamSharding
-from .linear import Linear, weight_in
+from .hooks import UNSHARDED, ExpertDispatch, ParallelHooks, ParamSharding, WeightReader
+from .linear import Linear
 
 
 class FeedForward(nn.Module):
@@ -150,16 +150,13 @@ class RoutedExperts(nn.Module):
     with its own E / ep experts (the rows of `counts` are then its local experts).
     """
 
-    copied_weights = ("gate_up_proj", "down_proj")  # kept copies in the compute dtype on one GPU (linear.py)
-
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.register_buffer("gate_up_proj_copy", None, persistent=False)
-        self.register_buffer("down_proj_copy", None, persistent=False)
         self.sharding: ParamSharding = UNSHARDED  # hooks.py
+        self.weight_reader: WeightReader | None = None  # hooks.py
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D). Rows past sum(counts) belong to no
@@ -171,12 +168,9 @@ class RoutedExperts(nn.Module):
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's experts' weights (the local shard under expert parallelism) in the compute dtype."""
-        weights = []
-        for name in ("gate_up_proj", "down_proj"):
-            weight = getattr(self, name)
-            local = self.sharding.local(weight)
-            weights.append(weight_in(self, name, dtype) if local is weight else local.to(dtype))
-        return tuple(weights)
+        if self.weight_reader is not None:
+            return tuple(self.weight_reader.read(self, name, dtype) for name in ("gate_up_proj", "down_proj"))
+        return tuple(self.sharding.local(weight).to(dtype) for weight in (self.gate_up_proj, self.down_proj))
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.

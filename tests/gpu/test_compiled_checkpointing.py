@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward
+from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.gpu.test_model_cuda import ARGS, PACKED_POSITIONS, _batch, _rel, build_reference_model
 

@@ -113,26 +113,25 @@ def test_fast_adam_resumes_torch_fused_state():
     _assert_near(params, fast, _float64_adam(True, 1.0, steps=3), "resumed")
 
 
-class _CopiedPair(torch.nn.Module):
-    """Two weights, `a` and `b`, with kept copies (models/qwen35_moe/linear.py); `uncopied`, a third without one."""
-    copied_weights = ("a", "b")
+def _kept_copies(a, b, dtype, grads_in_copies=False):
+    """Kept copies in `dtype` (parallel/one_device_precision.py) of two weights, `a` and `b`, of one module."""
+    from parallel.one_device_precision import OneDevicePrecision
 
-    def __init__(self, a, b, uncopied=None):
-        super().__init__()
-        self.a, self.b, self.c = a, b, uncopied
-        self.register_buffer("a_copy", None, persistent=False)
-        self.register_buffer("b_copy", None, persistent=False)
+    module = torch.nn.Module()
+    module.a, module.b = a, b
+    copies = OneDevicePrecision(dtype, grads_in_copies=grads_in_copies)
+    copies.reader(module)
+    copies.before_forward()  # makes them, as the model's forward does
+    return copies
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_adam_writes_the_kept_copies_as_a_cast_of_the_updated_parameters(dtype):
-    """The kept copies (models/qwen35_moe/linear.py): after each step the kernel's copy is bitwise the updated fp32
+    """The kept copies (parallel/one_device_precision.py): after each step the kernel's copy is bitwise the updated fp32
     parameter cast by torch (round to nearest even), and the parameters are the same as without copies. The
     parameters' version counters do not move, so the model does not recast the copies."""
-    from models.qwen35_moe.linear import WeightCopies
-
     params, plain = _params(), _params()
-    copies = WeightCopies(_CopiedPair(params[1], params[2], uncopied=params[0]), dtype)
+    copies = _kept_copies(params[1], params[2], dtype)  # params[0] without one
     with_copies = FastAdam(_groups(params), lr=LR, betas=BETAS, eps=EPS, weight_copies=copies)
     without = FastAdam(_groups(plain), lr=LR, betas=BETAS, eps=EPS)
     versions = [p._version for p in params]
@@ -149,13 +148,11 @@ def test_fast_adam_writes_the_kept_copies_as_a_cast_of_the_updated_parameters(dt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_adam_reads_half_precision_gradients_as_their_fp32_upcasts(dtype):
-    """Weight copies holding their weights' gradients (models/qwen35_moe/linear.py, grads_in_copies): the kernel
+    """Weight copies holding their weights' gradients (parallel/one_device_precision.py, grads_in_copies): the kernel
     reads those in bf16 / fp16. Reference: the same kernel fed each gradient upcast to fp32, which is exact. Three
     scaled steps leave bitwise the same parameters and moments."""
-    from models.qwen35_moe.linear import WeightCopies
-
     half, full = _params(), _params()
-    copies = WeightCopies(_CopiedPair(*half[1:]), dtype, grads_in_copies=True)
+    copies = _kept_copies(*half[1:], dtype, grads_in_copies=True)
     optimizers = [FastAdam(_groups(half), lr=LR, betas=BETAS, eps=EPS, weight_copies=copies),
                   FastAdam(_groups(full), lr=LR, betas=BETAS, eps=EPS)]
     for step in range(3):

@@ -15,12 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward
 from models.qwen35_moe.kernels.fla_varlen import fla_chunk_indices
-from models.qwen35_moe.kernels.gated_delta_rule import (
-    enable_fla_hopper_backward,
-    gated_delta_rule,
-    torch_chunk_gated_delta_rule,
-)
+from models.qwen35_moe.kernels.gated_delta_rule import gated_delta_rule, torch_chunk_gated_delta_rule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="FLA kernels need a CUDA GPU")
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_forward_and_backward_make_no_host_sync():
-    from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward
+    from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward
 
     enable_fla_hopper_backward(ARGS.linear_num_key_heads, ARGS.linear_num_value_heads,
                                ARGS.linear_key_head_dim, ARGS.linear_value_head_dim, "cuda")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
-from models.qwen35_moe.kernels.gated_delta_rule import enable_fla_hopper_backward
+from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward
 from tests.builders import initialized_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

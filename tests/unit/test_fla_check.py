@@ -9,15 +9,15 @@ import types
 import pytest
 import torch
 
+import models.qwen35_moe.kernels.fla_hopper_guard as guard
 import models.qwen35_moe.kernels.gated_delta_rule as gdr
-from models.qwen35_moe.kernels.gated_delta_rule import (
-    FlaKernelsUnavailableError,
+from models.qwen35_moe.kernels.fla_hopper_guard import (
     enable_fla_hopper_backward,
     fla_check_failures,
     fla_gated_delta_rule_errors,
     refuse_fla_hopper_backward,
-    torch_chunk_gated_delta_rule,
 )
+from models.qwen35_moe.kernels.gated_delta_rule import FlaKernelsUnavailableError, torch_chunk_gated_delta_rule
 from tests.fault_injection import kernel_with_wrong_dg
 
 SHAPE = (2, 4, 32, 32)  # Hk, Hv, Dk, Dv: small, so the float64 reference is quick on CPU
@@ -68,8 +68,8 @@ def hopper_with_old_triton(monkeypatch):
     """Pretend FLA's guard fires: a stand-in for the FLA module whose flag the bypass flips."""
     chunk_o = types.SimpleNamespace(TRITON_ABOVE_3_7_1=False)
     monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", chunk_o)
-    monkeypatch.setattr(gdr, "fla_hopper_guard_fires", lambda: True)
-    monkeypatch.setattr(gdr, "_PASSED_CHECKS", {})
+    monkeypatch.setattr(guard, "fla_hopper_guard_fires", lambda: True)
+    monkeypatch.setattr(guard, "_PASSED_CHECKS", {})
     return chunk_o
 
 

@@ -247,22 +247,20 @@ def test_one_rank_without_fsdp_computes_as_fsdp_bf16_mixed_precision(one_rank_me
 
 
 def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_weights():
-    """One GPU reads its bf16 weights from kept copies (models/qwen35_moe/linear.py) instead of casting them at each
-    use. Reference: the same model casting (the test above ties that to FSDP's bf16 policy). The loss and every
+    """One GPU reads its bf16 weights from kept copies (parallel/one_device_precision.py) instead of casting them at
+    each use. Reference: the same model casting (the test above ties that to FSDP's bf16 policy). The loss and every
     gradient are bitwise the cast's, fp32 gradients included; the copies are not in the state dict; an in-place
     change of the weights (a state-dict load, the checkpointer's `set_model_state_dict`, an optimizer's step) is
     picked up by the next forward; and `.to()`, which may replace the parameters, remakes the copies of the new ones."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    from models.qwen35_moe.linear import WeightCopies
     from parallel.parallelize import parallelize_qwen35_moe
 
     cast, kept = _model(), _model()
-    for model in (cast, kept):
+    for model, copies in ((cast, False), (kept, True)):
         parallelize_qwen35_moe(model, None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="none",
-                               compile=False)
-    kept.weight_copies = WeightCopies(kept, torch.bfloat16)
-    assert len(kept.weight_copies.pairs) > 10 and kept.state_dict().keys() == cast.state_dict().keys()
+                               compile=False, weight_copies=copies)
+    assert kept.state_dict().keys() == cast.state_dict().keys()
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 512, (2, 64), generator=gen)
     positions = torch.cat((torch.arange(40), torch.arange(24))).expand(2, 64)
@@ -281,6 +279,7 @@ def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_
             assert grad.dtype == torch.float32 and torch.equal(grad, want_grads[name]), name
 
     assert_same()
+    assert len(kept.mixed_precision.pairs) > 10  # made by the first forward
     moved = {k: v + 0.01 * torch.randn_like(v) for k, v in cast.state_dict().items()}
     for model in (cast, kept):
         model.load_state_dict(moved)
@@ -295,9 +294,9 @@ def test_kept_weight_copies_compute_as_the_casts_and_follow_every_change_of_the_
                 p.sub_(1e-3 * p.grad)  # an optimizer's in-place step
     assert_same()
     kept.to(torch.float64).to(torch.float32)  # the values survive the round trip; the copies are remade
-    params = {id(p) for p in kept.parameters()}
-    assert all(id(weight) in params for weight, _ in kept.weight_copies.pairs)
     assert_same()
+    params = {id(p) for p in kept.parameters()}
+    assert all(id(weight) in params for weight, _ in kept.mixed_precision.pairs)
 
 
 def test_kept_copies_holding_the_gradients_hold_the_casts_gradients_and_step_as_with_them():
@@ -309,17 +308,17 @@ def test_kept_copies_holding_the_gradients_hold_the_casts_gradients_and_step_as_
     clipped FastAdam step (torch's ops on CPU, upcasting the bf16 gradient) leaves bitwise the same weights;
     zero_grad clears the copies' gradients."""
     from harness.optim.fast_adam import FastAdam
-    from models.qwen35_moe.linear import WeightCopies
     from parallel.grad_norm import clip_grad_norm_
+    from parallel.one_device_precision import gradient_holders, weight_copies_of
     from parallel.parallelize import parallelize_qwen35_moe
 
     cast, kept = _model(), _model()
-    for model in (cast, kept):
+    for model, copies in ((cast, False), (kept, True)):
         parallelize_qwen35_moe(model, None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode="none",
-                               compile=False)
-    kept.weight_copies = copies = WeightCopies(kept, torch.bfloat16, grads_in_copies=True)
+                               compile=False, weight_copies=copies, grads_in_copies=copies)
+    copies = weight_copies_of(kept)
     optimizers = {m: FastAdam([{"params": list(m.parameters()), "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95),
-                              eps=1e-8, weight_copies=m.weight_copies) for m in (cast, kept)}
+                              eps=1e-8, weight_copies=weight_copies_of(m)) for m in (cast, kept)}
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 512, (2, 64), generator=gen)
     positions = torch.cat((torch.arange(40), torch.arange(24))).expand(2, 64)
@@ -340,8 +339,7 @@ def test_kept_copies_holding_the_gradients_hold_the_casts_gradients_and_step_as_
             assert grad.dtype == torch.float32, name
         assert torch.equal(grad.float(), q.grad), name
     for model in (cast, kept):
-        holders = [*model.parameters(), *(model.weight_copies.gradient_holders() if model is kept else ())]
-        norms[model] = clip_grad_norm_(holders, 0.5, scaling_optimizer=optimizers[model])
+        norms[model] = clip_grad_norm_(gradient_holders(model), 0.5, scaling_optimizer=optimizers[model])
         optimizers[model].step()
     torch.testing.assert_close(norms[kept], norms[cast], rtol=1e-6, atol=0)
     assert norms[cast] > 0.5  # the clipping acted

@@ -6,7 +6,13 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from parallel.torch_internals import function_with_own_frames, ignore_profiler_ranges_in_selective_checkpointing
+from parallel.torch_internals import (
+    function_with_own_frames,
+    ignore_profiler_ranges_in_selective_checkpointing,
+    own_parameters,
+    run_when_backward_ends,
+    version_counters,
+)
 
 
 def _block(x: torch.Tensor, break_graph: bool) -> torch.Tensor:
@@ -66,3 +72,54 @@ def test_selective_checkpointing_refuses_unmatched_profiler_ranges_unless_ignore
     ignore_profiler_ranges_in_selective_checkpointing()
     x_grad = _recompute_opens_a_profiler_range()
     assert x_grad is not None and torch.isfinite(x_grad).all()
+
+
+def test_a_callback_queued_during_a_backward_runs_once_the_whole_backward_has_finished():
+    """The replicated parameters' gradients are averaged by one callback queued from the first gradient hook: it must
+    run after every gradient of the backward is in place, once, before `backward()` returns."""
+    early, late = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    seen = []
+
+    def queue(param):  # `early`'s gradient is accumulated first: its path is the shortest
+        seen.append(("hook", late.grad is None))
+        run_when_backward_ends(lambda: seen.append(("callback", late.grad is not None)))
+
+    early.register_post_accumulate_grad_hook(queue)
+    (late.sin().exp().cos().sum() + early.sum()).backward()
+    assert seen == [("hook", True), ("callback", True)]
+
+
+def test_a_modules_own_parameter_dict_holds_its_current_parameters():
+    """one_device_precision.py and replicated_params.py keep this dict and read a module's parameters from it at
+    every forward: it must stay the module's, and follow `to_empty()`, `.to()` and assignments."""
+    with torch.device("meta"):
+        linear = torch.nn.Linear(4, 3)
+    parameters = own_parameters(linear)
+    linear.to_empty(device="cpu")  # new parameter objects
+    assert parameters["weight"] is linear.weight and parameters["weight"].device.type == "cpu"
+    linear.to(torch.float64)
+    assert parameters["weight"] is linear.weight and parameters["weight"].dtype == torch.float64
+    linear.weight = torch.nn.Parameter(torch.zeros(3, 4))
+    assert parameters["weight"] is linear.weight
+    linear.load_state_dict({"weight": torch.ones(3, 4), "bias": torch.ones(3)}, assign=True)
+    assert parameters["bias"] is linear.bias and own_parameters(linear) is parameters
+    assert set(parameters) == {name for name, _ in linear.named_parameters()}
+
+
+def test_version_counters_move_with_in_place_changes_through_torch_only():
+    """One GPU's weight copies are recast when their weight's counter moved (a load, an init, torch's optimizers),
+    and not after FastAdam's kernel, which writes through a raw pointer as numpy does here (and rewrites the copy)."""
+    linear = torch.nn.Linear(4, 3, bias=False)
+    weight = linear.weight
+    before = version_counters([weight])[0]
+    writes = [lambda: linear.load_state_dict({"weight": torch.ones(3, 4)}),
+              lambda: torch.nn.init.normal_(weight),
+              lambda: torch.optim.SGD([weight], lr=0.1).step()]
+    weight.grad = torch.ones_like(weight)
+    for write in writes:
+        write()
+        after = version_counters([weight])[0]
+        assert after > before
+        before = after
+    weight.detach().numpy()[:] = 5.0  # the same memory, written outside torch's ops
+    assert version_counters([weight]) == [before] and bool((weight == 5).all())

@@ -170,18 +170,18 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk:
     return vocab.own(losses).sum(), None if grad_h is None else vocab.scatter_sum(grad_h), grad_w
 
 
-def _in_dtype(weight: torch.Tensor, copy: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype`: its kept copy (linear.py) if it has one in that dtype, else a cast."""
-    return copy if copy is not None and copy.dtype == dtype else weight.to(dtype)
+def _in_dtype(weight: torch.Tensor, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype`: the caller's tensor of it in that dtype if given, else a cast."""
+    return given if given is not None and given.dtype == dtype else weight.to(dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk: int, vocab, scale, weight_copy):
-        # The weight's gradient is returned in the weight's own dtype, so an fp32 weight cast here (one GPU without
-        # FSDP, linear.py) gets its fp32 gradient without a rounding to h's dtype on the way.
+    def forward(ctx, h, weight, labels, chunk: int, vocab, scale, weight_in_h_dtype):
+        # The weight's gradient is returned in the weight's own dtype, so an fp32 weight read in h's dtype (one GPU
+        # without FSDP) gets its fp32 gradient without a rounding to h's dtype on the way.
         ctx.dtypes, ctx.vocab, ctx.scaled = (h.dtype, weight.dtype), vocab, scale is not None
-        w = _in_dtype(weight, weight_copy, h.dtype)
+        w = _in_dtype(weight, weight_in_h_dtype, h.dtype)
         total, grad_h, grad_w = _chunked(h, w, labels, chunk, True, vocab, scale)
         ctx.save_for_backward(grad_h, grad_w)
         return total if scale is None else total * scale
@@ -206,7 +206,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              chunk_tokens: int = 1024, vocab=None, scale: torch.Tensor | None = None,
-                             weight_copy: torch.Tensor | None = None) -> torch.Tensor:
+                             weight_in_h_dtype: torch.Tensor | None = None) -> torch.Tensor:
     """sum over tokens of cross_entropy(h @ weight.T, labels), labels == -100 ignored; h (N, D), weight (V, D),
     labels (N,). Returns an fp32 scalar (fp64 for fp64 inputs). chunk_tokens <= 0: all tokens in one chunk. The
     logits are computed in h's dtype (the weight is cast to it).
@@ -221,12 +221,13 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
     backpropagated): the backward checks that on the device, without a host sync (otherwise a device-side
     assert). Not with `vocab`, where the caller multiplies the sum instead.
 
-    `weight_copy`: the weight's kept copy (linear.py), read in place of casting the weight when it is in h's dtype."""
+    `weight_in_h_dtype`: the weight's values in h's dtype, if the caller holds them: read in place of a cast of the
+    weight (the gradient still goes to `weight`, in its dtype)."""
     chunk = chunk_tokens if chunk_tokens > 0 else max(h.shape[0], 1)
     if scale is not None and (vocab is not None or scale.dtype != torch.float32 or scale.ndim):
         raise ValueError(f"linear_cross_entropy_sum: scale must be an fp32 0-dim tensor and vocab None, got "
                          f"{scale.dtype} of shape {tuple(scale.shape)} and vocab {vocab}")
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h, weight, labels, chunk, vocab, scale, weight_copy)
-    total = _chunked(h, _in_dtype(weight, weight_copy, h.dtype), labels, chunk, False, vocab)[0]
+        return _LinearCrossEntropy.apply(h, weight, labels, chunk, vocab, scale, weight_in_h_dtype)
+    total = _chunked(h, _in_dtype(weight, weight_in_h_dtype, h.dtype), labels, chunk, False, vocab)[0]
     return total if scale is None else total * scale
