@@ -14,7 +14,9 @@ if "torch" not in sys.modules:
 
 from tests.distributed.launch import SharedLaunches  # noqa: E402  (after the thread setting: it imports no torch)
 
-ORDER = ("unit", "distributed", "gpu")  # the distributed tests last but the GPU's: their launches have had time
+# The distributed tests last but the GPU's: their launches have had time. The benchmarks/ scripts' tests, one process
+# each like the unit tests, run beside the launches too.
+ORDER = ("unit", "benchmarks", "distributed", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,6 @@ shows them) and its exit code to <folder>/exit_code.rank<r>. The process group, 
 as they were for the launch's next runs."""
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from harness.config import DEFAULT_CONFIG
 from harness.train import main
+from tests import runs
 
 
 def train(folder: str, *flags: str) -> None:
@@ -51,5 +51,4 @@ def logged(folder: Path) -> str:
 def losses(folder: Path) -> dict[int, float]:
     """A finished run's losses by step; the run must have exited with 0."""
     logged(folder)
-    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return runs.losses(folder / "run")

@@ -18,6 +18,7 @@ from harness.data.loader import build_dataloader
 from harness.data.sources import Row, Skipped
 from harness.data.token_cache import META_FILE, TARGETS_FILE, open_cache
 from harness.data.tokenizer import HFTokenizer
+from tests.runs import write_rows
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_CHAT = REPO / "data" / "debug_chat"
@@ -219,11 +220,6 @@ def test_a_malformed_conversation_is_skipped_with_its_reason(qwen35_tokenizer, c
     skipped = ChatEncoder(qwen35_tokenizer, ChatOptions())(row_of(row, 9))
     assert isinstance(skipped, Skipped) and skipped.locate() == "chats.jsonl:9"
     assert reason in skipped.reason
-
-
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def chat_loader(source: Path, tok, cache_dir: Path, seq_len: int = 512, **options):

@@ -23,6 +23,7 @@ from harness.data.streamed import ChatStreamPacker
 from harness.data.sources import Row
 from harness.data.tokenizer import HFTokenizer
 from harness.config import check_launch
+from tests.runs import write_rows
 from tests.unit.test_data import batch_rows, fake_datasets, take
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,11 +79,6 @@ def expected_rows(convs: list[tuple[list[int], list[int]]], L: int, overlong: st
             positions[i] = 0 if positions[i] == 0 else positions[i - 1] + 1
         out.append({"input_ids": tokens[:L], "labels": labels, "position_ids": positions})
     return out
-
-
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def chat_loader(source: Path, tmp_path: Path, L: int, b: int, rank: int = 0, world: int = 1, infinite: bool = True,

@@ -14,6 +14,7 @@ from harness.checkpoint.checkpointer import COMPLETE, step_folders
 from harness.convert import main as convert_main
 from harness.run_lock import LOCK_FILE
 from harness.train import main
+from tests.runs import losses
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
@@ -26,15 +27,9 @@ def run(dump: Path, *extra) -> int:
                  "--checkpoint.enable", "true", "--job.dump_folder", str(dump), *extra])
 
 
-def losses(dump: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 @pytest.fixture
-def deterministic():
-    yield ["--training.deterministic", "true", "--metrics.log_freq", "1"]
-    torch.use_deterministic_algorithms(False)
+def deterministic(deterministic_off_after):
+    return ["--training.deterministic", "true", "--metrics.log_freq", "1"]
 
 
 def test_saves_every_interval_and_at_the_end_and_keeps_the_latest_k(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from harness.checkpoint.checkpointer import ABANDONED, step_folders
 from harness.checkpoint.integrity import COMPLETE, check_files, read_complete, write_complete
 from harness.config import DEFAULT_CONFIG
 from harness.train import main
+from tests.runs import losses
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = str(REPO / "data" / "debug_corpus" / "train.jsonl")
@@ -41,11 +41,6 @@ def flags(dump: Path, cache: Path, *extra: str) -> list[str]:
 
 def run(dump: Path, cache: Path, *extra: str) -> int:
     return main(flags(dump, cache, *extra))
-
-
-def losses(dump: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def lines(text: str, start: str) -> list[str]:

@@ -27,6 +27,7 @@ from tests.checkpoint_faults import (
     disk_fills_during_hf_writes,
     flip_tensor_bytes,
 )
+from tests.runs import losses
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "train_configs" / "debug_model.toml")
@@ -48,11 +49,6 @@ def flags(dump: Path, cache: Path, *extra: str) -> list[str]:
 
 def run(dump: Path, cache: Path, *extra: str) -> int:
     return main(flags(dump, cache, *extra))
-
-
-def losses(dump: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def errors(text: str) -> list[str]:

@@ -99,27 +99,22 @@ def test_layer_exposes_read_only_fp32_gate_params():
     assert "A_log" not in dict(layer.named_parameters(recurse=False))
 
 
-def test_missing_key_is_named():
+@pytest.mark.parametrize("key, value, named", [  # value None: the key is deleted
+    pytest.param("model.layers.2.mlp.experts.down_proj", None, r"missing keys: layers\.2\.mlp\.experts\.down_proj",
+                 id="missing_key"),
+    pytest.param("model.embed_tokens.weight", torch.zeros(7, 32),
+                 r"wrong shapes: embed_tokens\.weight \(7, 32\) \(expected \(96, 32\)\)", id="wrong_shape"),
+    pytest.param("model.layers.9.mlp.gate.weight", torch.zeros(8, 32), r"unexpected keys: layers\.9\.mlp\.gate\.weight",
+                 id="unexpected_key"),
+])
+def test_a_missing_misshapen_or_unexpected_key_is_named(key, value, named):
     adapter = Qwen35MoeStateDictAdapter(ARGS)
     hf = adapter.to_hf(_native_model().state_dict())
-    del hf["model.layers.2.mlp.experts.down_proj"]
-    with pytest.raises(ValueError, match=r"missing keys: layers\.2\.mlp\.experts\.down_proj"):
-        adapter.from_hf(hf)
-
-
-def test_wrong_shape_is_named():
-    adapter = Qwen35MoeStateDictAdapter(ARGS)
-    hf = adapter.to_hf(_native_model().state_dict())
-    hf["model.embed_tokens.weight"] = torch.zeros(7, 32)
-    with pytest.raises(ValueError, match=r"wrong shapes: embed_tokens\.weight \(7, 32\) \(expected \(96, 32\)\)"):
-        adapter.from_hf(hf)
-
-
-def test_unexpected_key_is_named():
-    adapter = Qwen35MoeStateDictAdapter(ARGS)
-    hf = adapter.to_hf(_native_model().state_dict())
-    hf["model.layers.9.mlp.gate.weight"] = torch.zeros(8, 32)
-    with pytest.raises(ValueError, match=r"unexpected keys: layers\.9\.mlp\.gate\.weight"):
+    if value is None:
+        del hf[key]
+    else:
+        hf[key] = value
+    with pytest.raises(ValueError, match=named):
         adapter.from_hf(hf)
 
 

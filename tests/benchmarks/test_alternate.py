@@ -3,25 +3,17 @@ round (the pairing is the point: machines differ by as much as the changes measu
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.scripts import loaded
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("alternate", REPO / "benchmarks" / "alternate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["alternate"] = module  # its dataclass resolves annotations through the module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_variant_specs_name_gpus_and_overrides():
-    alternate = _module()
+    alternate = loaded("alternate.py")
     v = alternate.parse_variant("full=--activation_checkpoint.mode full --metrics.log_freq 10")
     assert (v.name, v.gpus, v.overrides) == ("full", 1, ["--activation_checkpoint.mode", "full",
                                                          "--metrics.log_freq", "10"])
@@ -36,7 +28,7 @@ def test_variant_specs_name_gpus_and_overrides():
 
 
 def test_variants_alternate_and_ratios_pair_runs_of_the_same_round():
-    alternate = _module()
+    alternate = loaded("alternate.py")
     variants = [alternate.parse_variant(s) for s in ("base=", "fast=--x 1", "broken=--y 2")]
     order = []
     # The machine slows down in round 2: "fast" is 1.10x "base" in each round, though its round-2 figure is below
