@@ -8,7 +8,12 @@ outputs (a checkpoint to resume) wait for a later launch: one per stage and numb
 
 The launches start in a background thread when the session starts, in stage order, while the tests that need none
 (tests/unit) run; a test asking for a run waits for its launch. A launch started before a test asks for it cannot
-know which runs the test will ask for: each launch runs every registered run of its stage and size."""
+know which runs the test will ask for: each launch runs every registered run of its stage and size.
+
+A run that fails (raises, or its launch ends while it runs: a rank killed, a connection broken) ends its launch: a rank
+could be left waiting in a collective the failed one will never join. The runs after it then run in another launch,
+and the failed run once more, after them: its test fails if it fails again, naming both errors, the first first, and
+passes with a warning naming the first error if not. No other test sees the failure."""
 
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,9 +34,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS_WORKER = str(REPO / "tests" / "distributed" / "runs_worker.py")
-FINISHED, FAILED = "finished", "failed.{}.txt"  # what a run leaves in its folder (failed.rank0.txt: its traceback)
-SKIPPED = "skipped.txt"  # a run that did not start: a run it reads failed
-TIMEOUT = 600  # a rank left waiting at a collective would hang for gloo's timeout: this turns that into a failure
+# What a run leaves in its folder: `started` when it begins, `finished` once every rank has returned from it, or
+# failed.rank0.txt (its traceback on rank 0) and the like; skipped.txt if it did not start (a run it reads failed).
+STARTED, FINISHED, FAILED, SKIPPED = "started", "finished", "failed.{}.txt", "skipped.txt"
+FIRST_ATTEMPT = "{}.first-attempt"  # a failed run's folder, set aside when it runs again
+# Hang guards, not time limits: the longest run takes 30 s on an idle 2-core machine, a few minutes under heavy load.
+COLLECTIVE_TIMEOUT_S = 900  # how long a rank waits at a collective (gloo's timeout: the waiting rank then raises)
+HANG_S = 1800  # a launch in which no run starts or finishes for this long is stopped; its run in progress fails
+POLL_S = 2
 
 
 @dataclass(frozen=True)
@@ -38,9 +50,10 @@ class Run:
     `nproc` processes (a plain process for 1, torchrun's ranks over gloo otherwise), `folder` being this run's own
     ("{folder}" in an argument stands for it). A run that reads the outputs of others names them in `after`: it
     runs in a launch after theirs. `prepare(folder, *folders of after)`, if given, writes the run's inputs into its
-    folder before its launch starts; it runs in the background thread, beside other tests, so it may write files
-    and start processes but must leave torch alone (its default dtype, seeds and compiled code are the tests').
-    A run of 0 processes is its `prepare` alone (`started_processes`)."""
+    folder before its launch starts (again, into a new folder, if the run fails and runs again); it runs in the
+    background thread, beside other tests, so it may write files and start processes but must leave torch alone
+    (its default dtype, seeds and compiled code are the tests'). A run of 0 processes is its `prepare` alone
+    (`started_processes`)."""
     name: str
     nproc: int
     target: str = ""
@@ -82,20 +95,37 @@ def torchrun(nproc: int) -> list[str]:
             "--rdzv-endpoint=localhost:0"]
 
 
+def errors_in(folder: Path) -> str:
+    """The errors a run left in `folder` (each rank's traceback, or why its launch ended), each once."""
+    return "\n".join(dict.fromkeys(e.read_text() for e in sorted(folder.glob(FAILED.format("*")))))
+
+
+def causes(output: str) -> str:
+    """What a launch printed, for a failure: its error lines first (the ranks' exceptions come before torchrun's
+    summary, which alone would fill the tail), then its tail."""
+    errors = "\n".join([line for line in output.splitlines() if "Error" in line or "error:" in line][:10])
+    return f"{errors}\n...\n{output[-5000:]}"
+
+
+class RanAgain(UserWarning):
+    """A run failed in its first launch and passed in a later one."""
+
+
 class SharedLaunches:
     """The registered runs' results: one launch per stage and number of processes, started in the background
-    (`start`) or when a test first asks for one of its runs."""
+    (`start`) or when a test first asks for one of its runs; after a failure, the rest in another."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, runs: dict[str, Run] | None = None):
         self.folder = folder
-        self.outputs: dict[tuple[int, int], str] = {}  # what each finished launch printed
+        self.runs = REGISTERED if runs is None else runs
+        self.outputs: dict[tuple[int, int], str] = {}  # what the launches of each key printed
         self.lock = threading.RLock()  # one launch at a time: each takes the host's cores
         self.running: subprocess.Popen | None = None
         self.closed = False
 
     def start(self) -> None:
         """Launches every registered run, stage by stage, in a background thread."""
-        keys = sorted({(run.stage, run.nproc) for run in REGISTERED.values()})
+        keys = sorted({(run.stage, run.nproc) for run in self.runs.values()})
         threading.Thread(target=lambda: [self._launched(key) for key in keys], daemon=True).start()
 
     def close(self) -> None:
@@ -105,77 +135,154 @@ class SharedLaunches:
             os.killpg(self.running.pid, signal.SIGKILL)
 
     def folder_of(self, run: Run) -> Path:
-        """`run`'s folder once it has finished; fails the calling test with the run's error if it raised, or with
-        the launch's output if it never finished (a run before it in the same launch failed or hung), or with why
-        it did not run (a run it reads failed)."""
-        problem = self._problem(run)
+        """`run`'s folder once it has finished; fails the calling test with `problem` if it has not, and warns with
+        the first error of a run that passed when it ran again."""
+        problem = self.problem(run)
         if problem is not None:
             pytest.fail(problem, pytrace=False)
+        first = self.first_error(run)
+        if first:
+            warnings.warn(f"run {run.name} failed in its first launch and passed in another:\n{first}", RanAgain,
+                          stacklevel=2)
         return self.folder / run.name
 
-    def _problem(self, run: Run) -> str | None:
+    def problem(self, run: Run) -> str | None:
+        """None once `run` has finished; otherwise its error (both, if it failed twice), or why it did not run (a
+        run it reads failed, or the session ended first)."""
         output = self._launched((run.stage, run.nproc))
         folder = self.folder / run.name
         if (folder / SKIPPED).exists():
             return (folder / SKIPPED).read_text()
-        errors = sorted(folder.glob(FAILED.format("*")))
+        if (folder / FINISHED).exists():
+            return None
+        errors, first = errors_in(folder), self.first_error(run)
+        if first and errors:
+            return f"run {run.name} failed twice, in two launches. The first time:\n{first}\nThe second time:\n{errors}"
+        if first:
+            return f"run {run.name} failed in its first launch and did not run again (the session ended?):\n{first}"
         if errors:
-            return f"run {run.name} raised:\n" + "\n".join(dict.fromkeys(e.read_text() for e in errors))  # once
-        if not (folder / FINISHED).exists():
-            failed = [r.name for r in REGISTERED.values() if (r.stage, r.nproc) == (run.stage, run.nproc)
-                      and any((self.folder / r.name).glob(FAILED.format("*")))]
-            if failed:
-                return f"run {run.name} did not run: {failed[0]}, before it in its launch, raised (its test says why)"
-            # The ranks' exceptions come before torchrun's summary, which alone would fill the tail.
-            causes = "\n".join([line for line in output.splitlines() if "Error" in line or "error:" in line][:10])
-            return f"run {run.name} did not finish; its launch printed:\n{causes}\n...\n{output[-5000:]}"
-        return None
+            return f"run {run.name} failed:\n{errors}"
+        return f"run {run.name} did not run; its launches printed:\n{causes(output)}"
+
+    def first_error(self, run: Run) -> str:
+        """The error of `run`'s first launch if it failed there and ran again, else ""."""
+        return errors_in(self.folder / FIRST_ATTEMPT.format(run.name))
 
     def _launched(self, key: tuple[int, int]) -> str:
-        """The output of the launch of `key` (stage, processes), which this call runs if no call has yet."""
+        """The output of the launches of `key` (stage, processes), which this call runs if no call has yet."""
         with self.lock:
             if key not in self.outputs:
                 self.outputs[key] = self._launch(key)
             return self.outputs[key]
 
     def _launch(self, key: tuple[int, int]) -> str:
+        """Runs the runs of `key` in one launch, or, after a failure, the runs after the failed one in another and the
+        failed run again, after them. A launch that fails before its first run is launched again, once."""
         if self.closed:
             return "the session ended first"
+        failed_once: set[str] = set()
+        ready = self._prepared([r for r in self.runs.values() if (r.stage, r.nproc) == key], failed_once)
+        outputs: list[str] = []
+        unstarted = 0  # launches that failed before their first run
+        while ready and not self.closed:
+            output, hung = self._run(key, ready, len(outputs) + 1)
+            outputs.append(output)
+            waiting = [r for r in ready if not (self.folder / r.name / STARTED).exists()]
+            if len(waiting) == len(ready):
+                unstarted += 1
+                if unstarted == 1:
+                    continue
+                for run in ready:
+                    (self.folder / run.name / FAILED.format("launch")).write_text(
+                        f"run {run.name} did not start: its launch failed before its first run, twice:\n"
+                        f"{causes(output)}\n")
+                break
+            failed = []
+            for run in ready:
+                folder = self.folder / run.name
+                if run in waiting or (folder / FINISHED).exists():
+                    continue
+                if not errors_in(folder):  # its launch ended while it ran
+                    why = (f"it ran for over {HANG_S} s (a hang?); its launch was stopped" if hung else
+                           f"its launch ended while it ran (a rank killed or lost?):\n{causes(output)}")
+                    (folder / FAILED.format("launch")).write_text(f"run {run.name}: {why}\n")
+                if not hung and self._set_aside(run, failed_once):
+                    failed.append(run)
+            ready = waiting + self._prepared(failed, failed_once)
+        return "\n".join(outputs)
+
+    def _set_aside(self, run: Run, failed_once: set[str]) -> bool:
+        """After `run` failed: True, its folder set aside, if it was its first failure."""
+        if run.name in failed_once:
+            return False
+        failed_once.add(run.name)
+        (self.folder / run.name).rename(self.folder / FIRST_ATTEMPT.format(run.name))
+        return True
+
+    def _prepared(self, runs: list[Run], failed_once: set[str]) -> list[Run]:
+        """`runs` prepared for a launch, in order, without those that do not run (a run they read failed), have
+        finished (a run of 0 processes) or whose `prepare` raised twice."""
         ready = []
-        for run in (r for r in REGISTERED.values() if (r.stage, r.nproc) == key):
-            folder = self.folder / run.name
-            folder.mkdir(parents=True, exist_ok=True)
-            problems = [p for p in map(self._problem, run.after) if p is not None]
-            if problems:
-                (folder / SKIPPED).write_text(f"run {run.name} did not run: it reads another run, and " + problems[0])
-                continue
-            try:
-                if run.prepare is not None:
-                    run.prepare(folder, *(self.folder / r.name for r in run.after))
-            except Exception:  # noqa: BLE001  (reported by the test that reads the run)
-                (folder / FAILED.format("prepare")).write_text(traceback.format_exc())
-                continue
-            if key[1] == 0:
-                (folder / FINISHED).touch()
-            else:
+        for run in runs:
+            prepared = self._prepare(run)
+            if not prepared and errors_in(self.folder / run.name) and self._set_aside(run, failed_once):
+                prepared = self._prepare(run)
+            if prepared:
                 ready.append(run)
-        if not ready:
-            return ""
-        spec = self.folder / "launch{}-{}.json".format(*key)
+        return ready
+
+    def _prepare(self, run: Run) -> bool:
+        """Writes `run`'s inputs; True if it is ready for its launch."""
+        folder = self.folder / run.name
+        folder.mkdir(parents=True, exist_ok=True)
+        problems = [p for p in map(self.problem, run.after) if p is not None]
+        if problems:
+            (folder / SKIPPED).write_text(f"run {run.name} did not run: it reads another run, and " + problems[0])
+            return False
+        try:
+            if run.prepare is not None:
+                run.prepare(folder, *(self.folder / r.name for r in run.after))
+        except Exception:  # noqa: BLE001  (reported by the test that reads the run)
+            (folder / FAILED.format("prepare")).write_text(traceback.format_exc())
+            return False
+        if run.nproc == 0:
+            (folder / FINISHED).touch()
+            return False
+        return True
+
+    def _run(self, key: tuple[int, int], runs: list[Run], number: int) -> tuple[str, bool]:
+        """Launch `number` of `key`: `runs` in one process or torchrun's ranks. Returns what it printed and whether it
+        was stopped as hung."""
+        spec = self.folder / "launch{}-{}-{}.json".format(*key, number)
         spec.write_text(json.dumps([[str(self.folder / r.name), r.target,
                                      *(a.replace("{folder}", str(self.folder / r.name)) for a in r.args)]
-                                    for r in ready]))
+                                    for r in runs]))
         nproc = key[1]
         cmd = [*(torchrun(nproc) if nproc > 1 else [sys.executable]), RUNS_WORKER, str(spec)]
         # Inductor compiles in the runs' own processes: one CI run under load aborted a rank with "terminate called
         # without an active exception"; inductor's pool of compile workers is a suspect, not proven.
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        self.running = subprocess.Popen(cmd, cwd=self.folder, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            output, _ = self.running.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.running.pid, signal.SIGKILL)
-            output = self.running.communicate()[0] + f"\nkilled after {TIMEOUT} s"
-        spec.with_suffix(".log").write_text(output)  # with each run's time
-        return output
+        log = spec.with_suffix(".log")  # with each run's time
+        with open(log, "w") as out:
+            self.running = subprocess.Popen(cmd, cwd=self.folder, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+            hung = self._hung(runs)
+        return log.read_text(), hung
+
+    def _hung(self, runs: list[Run]) -> bool:
+        """Waits for the launch of `runs` to end; stops it and returns True if none of them starts or finishes for
+        HANG_S seconds."""
+        marks, last = -1, time.monotonic()
+        while True:
+            try:
+                self.running.wait(timeout=POLL_S)
+                return False
+            except subprocess.TimeoutExpired:
+                pass
+            now = sum((self.folder / r.name / mark).exists() for r in runs for mark in (STARTED, FINISHED))
+            if now != marks:
+                marks, last = now, time.monotonic()
+            elif time.monotonic() - last > HANG_S:
+                os.killpg(self.running.pid, signal.SIGKILL)
+                self.running.wait()
+                return True
