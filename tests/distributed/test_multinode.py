@@ -35,7 +35,7 @@ def two_nodes(folder: Path) -> None:
     nodes = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     for i, node in enumerate(nodes):
-        out, err = node.communicate(timeout=300)
+        out, err = node.communicate(timeout=900)
         (folder / f"node{i}.json").write_text(json.dumps({"returncode": node.returncode, "out": out, "err": err}))
 
 

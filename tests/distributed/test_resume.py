@@ -45,7 +45,7 @@ def signalled(folder: Path, step: int, signum: int) -> None:
         if f"step {step}/8" in line:
             os.killpg(proc.pid, signum)
             break
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=900)
     (folder / "signalled.json").write_text(json.dumps({"returncode": proc.returncode, "stderr": err}))
 
 

@@ -61,7 +61,7 @@ out = model(ids, positions)
 (out.logits.float().logsumexp(-1).mean() + out.aux_loss).backward()
 assert recorder.seen == [], recorder.seen
 """
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -20,7 +20,7 @@ RUN_TRAIN = str(REPO / "run_train.sh")
 FAST = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.enable_tensorboard", "false"]
 
 
-def run_train(*args, cwd=REPO, ngpu="1", python=sys.executable, timeout=300) -> subprocess.CompletedProcess:
+def run_train(*args, cwd=REPO, ngpu="1", python=sys.executable, timeout=900) -> subprocess.CompletedProcess:
     env = {**os.environ, "NGPU": ngpu, "PYTHON": python, "OMP_NUM_THREADS": "1"}
     return subprocess.run([RUN_TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -70,7 +70,7 @@ def test_bad_input_under_torchrun_itself_is_one_error_line_not_one_per_rank(bad,
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                              "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "harness.train",
                              *flags, "--job.dump_folder", str(tmp_path / "o")],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
     if bad == "config":
         assert errors == ["error: command line: unknown option --training.stesp (did you mean --training.steps?)"]
@@ -107,7 +107,7 @@ def test_bad_data_met_by_one_hidden_rank_mid_training_is_its_one_error_line_and_
     env.pop("LOG_RANK", None)
     result = subprocess.run([RUN_TRAIN, *FAST, "--training.steps", "40", "--checkpoint.enable", "true",
                              "--checkpoint.interval", "10", "--job.dump_folder", str(tmp_path / "o")],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors == ["[rank1]:error: row 7 of shard 3 is damaged"], result.stderr[-3000:]
@@ -139,7 +139,7 @@ def test_sigint_sent_to_the_launcher_alone_saves_and_exits_130_with_two_processe
         if re.search(r"step +1/20", line):
             os.kill(launcher.pid, signal.SIGINT)
             break
-    _, err = launcher.communicate(timeout=300)
+    _, err = launcher.communicate(timeout=900)
     assert launcher.returncode == 130, err[-3000:]
     lines = [line for line in err.splitlines() if "interrupted at step" in line]
     assert len(lines) == 1 and "saved checkpoint" in lines[0], err[-3000:]
@@ -168,12 +168,12 @@ def test_the_launcher_signals_each_worker_once_and_one_not_yet_started_signals_i
                 worker = subprocess.Popen([sys.executable, "-c", counting], env=env, stdout=subprocess.PIPE, text=True)
                 worker.stdout.readline()  # its pid is recorded
                 forward(signal.SIGINT, None)
-                assert worker.communicate(timeout=60)[0].strip() == "1" and torchrun.poll() is None
+                assert worker.communicate(timeout=600)[0].strip() == "1" and torchrun.poll() is None
             else:
                 forward(signal.SIGINT, None)
-                assert torchrun.wait(timeout=60) == -signal.SIGINT
+                assert torchrun.wait(timeout=600) == -signal.SIGINT
                 late = subprocess.run([sys.executable, "-m", "harness.train", "--job.dump_folder", str(folder / "o")],
-                                      env=env, capture_output=True, text=True, timeout=60)
+                                      env=env, capture_output=True, text=True, timeout=600)
                 assert late.returncode == 130 and late.stderr == "interrupted while starting; nothing saved\n"
                 assert (folder / "rank0").read_text() == "130"
         finally:
