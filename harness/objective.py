@@ -99,7 +99,7 @@ class Objective:
         ce_total, aux_total, mtp_total = (torch.zeros((), device=self.device) for _ in range(3))
         counts = 0
         for mb in microbatches:
-            out = model(**mb, ce_scale=ce_weight, mtp_ce_scales=mtp_weights)
+            out = model(**mb, ce_weight=ce_weight, mtp_ce_weights=mtp_weights)
             aux, pooled_counts = balance_loss_share(_with_mtp_layers(out), self.distributed)
             aux = aux / len(microbatches)
             counts = counts + pooled_counts

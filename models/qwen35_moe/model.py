@@ -39,7 +39,7 @@ class CausalLMOutput:
     # Routing statistics of every MoE layer (counts and probability sums, each (layers, experts)); a trainer
     # pools them over data-parallel ranks for a balance loss that does not depend on how the batch is split.
     router_stats: RouterStats
-    # With labels: the cross entropy summed over the label tokens (fp32) times the forward's `ce_scale`, computed
+    # With labels: the cross entropy summed over the label tokens (fp32) times the forward's `ce_weight`, computed
     # chunk by chunk without the whole logits (kernels/linear_cross_entropy.py).
     ce_sum: torch.Tensor | None = None
     # With `mtp=True`: per MTP depth k, its normed hidden states (B, S, D), which the shared lm_head maps to logits of
@@ -47,7 +47,7 @@ class CausalLMOutput:
     mtp_hidden: list[torch.Tensor] | None = None
     mtp_router_stats: RouterStats | None = None
     # With `mtp=True` and MTP labels: the MTP depths' cross entropies, each summed over its label tokens and times
-    # that depth's `mtp_ce_scales` entry, summed over the depths.
+    # that depth's `mtp_ce_weights` entry, summed over the depths.
     mtp_ce_sum: torch.Tensor | None = None
     # With `return_hidden=True`: the final-normed hidden states (B, S, D) the lm_head reads.
     hidden: torch.Tensor | None = None
@@ -82,27 +82,27 @@ class LMHead(Linear):
         self.vocab_parallel: VocabParallel | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024,
-                ce_scale: torch.Tensor | None = None,
+                ce_weight: torch.Tensor | None = None,
                 more: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ...] = ()):
-        """h (N, D) -> logits (N, vocab), or given labels (N,) the summed cross entropy times `ce_scale`.
-        `more`: further (h, labels, ce_scale) whose sums are computed in the same call (the MTP depths'): under FSDP
+        """h (N, D) -> logits (N, vocab), or given labels (N,) the summed cross entropy times `ce_weight`.
+        `more`: further (h, labels, ce_weight) whose sums are computed in the same call (the MTP depths'): under FSDP
         the weight is then gathered once and its gradient reduced once. With `more`, returns the list of sums."""
         vocab = self.vocab_parallel
         if labels is None:
             return super().forward(h) if vocab is None else F.linear(h, vocab.full(self.weight).to(h.dtype))
         if more:
-            return [self._ce_sum(*args, chunk_tokens) for args in ((h, labels, ce_scale), *more)]
-        return self._ce_sum(h, labels, ce_scale, chunk_tokens)
+            return [self._ce_sum(*args, chunk_tokens) for args in ((h, labels, ce_weight), *more)]
+        return self._ce_sum(h, labels, ce_weight, chunk_tokens)
 
-    def _ce_sum(self, h: torch.Tensor, labels: torch.Tensor, ce_scale: torch.Tensor | None,
+    def _ce_sum(self, h: torch.Tensor, labels: torch.Tensor, ce_weight: torch.Tensor | None,
                 chunk_tokens: int) -> torch.Tensor:
         vocab = self.vocab_parallel
         if vocab is not None:
             total = linear_cross_entropy_sum(h, vocab.local(self.weight), labels, chunk_tokens, vocab=vocab)
-            return total if ce_scale is None else total * ce_scale
+            return total if ce_weight is None else total * ce_weight
         with torch.no_grad():  # the loss computes the weight's gradient itself, for self.weight
             weight_in_h_dtype = self.weight_as(h.dtype)
-        return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, scale=ce_scale,
+        return linear_cross_entropy_sum(h, self.weight, labels, chunk_tokens, scale=ce_weight,
                                         weight_in_h_dtype=weight_in_h_dtype)
 
 
@@ -207,22 +207,24 @@ class Qwen35MoeModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
-                layout: DocumentLayout | None = None, ce_scale: torch.Tensor | None = None,
+                layout: DocumentLayout | None = None, ce_weight: torch.Tensor | None = None,
                 mtp: bool = False, mtp_input_ids: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
-                mtp_ce_scales: torch.Tensor | None = None, return_hidden: bool = False) -> CausalLMOutput:
+                mtp_ce_weights: torch.Tensor | None = None, return_hidden: bool = False) -> CausalLMOutput:
         """input_ids (B, S); position_ids (B, S) restarting at 0 at each packed document (None: one
         document per row). Returns logits (B, S, vocab) and the MoE routing statistics; given labels (B, S;
         -100 ignored), the summed cross entropy instead of the logits, `loss_chunk_tokens` tokens at a time, times
-        `ce_scale` if given (an fp32 0-dim tensor: the gradients are then computed already scaled, so backpropagate
-        the result with gradient 1, as part of a sum).
+        `ce_weight` if given: the weight of that sum in the loss a trainer minimises (its choice: the harness's is
+        world size / the global batch's label tokens, harness/objective.py), an fp32 0-dim tensor known before the
+        forward. The head computes the gradients in the same pass as the sum and applies the weight there, sparing a
+        pass over its weight's gradient; backpropagate the result with gradient 1, as part of a sum.
         `layout`: the batch's document layout derived on the host (documents.py; under context parallelism by
         `context_parallel.local_layout`), in place of position_ids: spares the GPU the syncs of deriving it.
         Under context parallelism every tensor holds this rank's zigzag share of the rows.
         `mtp`: also run the multi-token-prediction layers (mtp.py) on the final-normed hidden states, on
         `mtp_input_ids` (B, S, depth), the tokens x_{t+k+1} of mtp.mtp_rows (derived from input_ids if None; required
         under context parallelism, where they must come from the whole rows). With labels, `mtp_labels` (B, S,
-        depth; mtp.mtp_rows) gives the MTP cross entropy too, depth k's sum times `mtp_ce_scales[k]` (fp32, as
-        `ce_scale`; None: unscaled). `return_hidden`: the output also holds the final-normed hidden states."""
+        depth; mtp.mtp_rows) gives the MTP cross entropy too, depth k's sum times `mtp_ce_weights[k]` (fp32, as
+        `ce_weight`; None: unweighted). `return_hidden`: the output also holds the final-normed hidden states."""
         batch, seq = input_ids.shape
         if mtp and self.mtp is None:
             raise ValueError("mtp=True, but the model has no MTP layer (args.mtp_num_hidden_layers is 0)")
@@ -267,12 +269,12 @@ class Qwen35MoeModel(nn.Module):
         if labels is None:
             return CausalLMOutput(logits=self.lm_head(h), router_stats=stats, **extra)
         if not mtp:
-            ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale)
+            ce_sum = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_weight=ce_weight)
             return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum, **extra)
         # One call of the head for the main and the MTP losses (LMHead.forward's `more`)
-        scales = [None] * len(mtp_hidden) if mtp_ce_scales is None else list(mtp_ce_scales.unbind())
-        more = tuple((hk.flatten(0, 1), mtp_labels[..., k].flatten(), scales[k]) for k, hk in enumerate(mtp_hidden))
-        ce_sum, *mtp_sums = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_scale=ce_scale,
+        weights = [None] * len(mtp_hidden) if mtp_ce_weights is None else list(mtp_ce_weights.unbind())
+        more = tuple((hk.flatten(0, 1), mtp_labels[..., k].flatten(), weights[k]) for k, hk in enumerate(mtp_hidden))
+        ce_sum, *mtp_sums = self.lm_head(h.flatten(0, 1), labels.flatten(), loss_chunk_tokens, ce_weight=ce_weight,
                                          more=more)
         return CausalLMOutput(logits=None, router_stats=stats, ce_sum=ce_sum, mtp_ce_sum=sum(mtp_sums), **extra)
 

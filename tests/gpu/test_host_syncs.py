@@ -29,7 +29,7 @@ def test_forward_and_backward_make_no_host_sync():
     def step():
         layout = document_layout(PACKED_POSITIONS, *PACKED_POSITIONS.shape, torch.device("cpu")).to("cuda")
         scale = 2 / (labels != -100).sum().float()  # the trainer's: the loss's gradient known in forward
-        out = model(ids, labels=labels, layout=layout, loss_chunk_tokens=200, ce_scale=scale)
+        out = model(ids, labels=labels, layout=layout, loss_chunk_tokens=200, ce_weight=scale)
         (out.ce_sum + out.aux_loss).backward()  # checked on the device by the loss's backward: no sync
 
     step()  # compiles and autotunes the kernels (autotuning times them: that waits, once)
