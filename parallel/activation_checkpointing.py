@@ -33,7 +33,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from models.qwen35_moe.hooks import BlockRunner
 from models.qwen35_moe.model import DecoderLayer
 
-from .torch_internals import ignore_profiler_ranges_in_selective_checkpointing
+from .torch_internals import (functional_collective_ops, graph_break_error,
+                              ignore_profiler_ranges_in_selective_checkpointing)
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,11 @@ def _saved_ops() -> set:
     expensive ops whose outputs are small next to the elementwise chains (norms, activations, gates, RoPE,
     routing) that are recomputed instead. FLA's Gated DeltaNet kernels (Triton, inside an autograd Function)
     are not aten ops: they run again in the recompute."""
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-    names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_grouped_mm"),
-             (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
-             (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_flash_attention_forward"),
-             (aten, "_efficient_attention_forward"), (c10d, "all_gather_into_tensor"),
-             (c10d, "reduce_scatter_tensor"), (c10d, "all_to_all_single")]
-    return {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_flash_attention_forward", "_efficient_attention_forward"]
+    return {getattr(aten, name).default for name in names if hasattr(aten, name)} | functional_collective_ops()
 
 
 def _selective_context():
@@ -105,7 +104,7 @@ class CheckpointedCompiledHalves:
         if self.moe_half_traced is not False:
             try:
                 out = _compiled().checkpointed_moe_half(layer, h)
-            except torch._dynamo.exc.Unsupported as error:  # a graph break, found while tracing: nothing has run
+            except graph_break_error() as error:  # a graph break, found while tracing: nothing has run
                 if self.moe_half_traced:
                     raise
                 self.moe_half_traced = False

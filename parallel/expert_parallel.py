@@ -39,6 +39,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from models.qwen35_moe.moe import RoutedExperts, combine_expert_outputs, expert_counts, gather_rows, inverse_permutation
 
 from .collectives import all_gather, all_to_all, reduce_scatter_sum
+from .torch_internals import inside_backward
 
 
 def local_expert_order(received_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -100,7 +101,7 @@ class ExpertParallel:
     def exchange(self, x: torch.Tensor, counts: torch.Tensor,
                  local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         received = exchange_counts(counts, self.group)
-        recomputing = torch._C._current_graph_task_id() != -1 and self._forward is not None  # inside a backward
+        recomputing = inside_backward() and self._forward is not None
         if not recomputing:
             self._forward = (received, *split_sizes(counts, received))
         forward_received, send, recv = self._forward

@@ -8,15 +8,23 @@ release changes the behaviour relied on.
    the ops in `torch.utils.checkpoint.SAC_IGNORED_OPS`, a global set that
    `ignore_profiler_ranges_in_selective_checkpointing` adds the profiler's range ops to: FSDP2's hooks open profiler
    ranges a different number of times in the two (activation_checkpointing.py).
-3. The autograd engine runs a callback queued during a backward once that backward has finished
+3. Functional collectives dispatch the ops of the `_c10d_functional` namespace (`functional_collective_ops`), which
+   selective checkpointing keeps rather than recomputes (activation_checkpointing.py).
+4. A `fullgraph=True` compile meeting a graph break raises `torch._dynamo.exc.Unsupported` at its first call, while
+   tracing, before any of the function has run (`graph_break_error`): the compiled MoE half falls back to an eager
+   checkpoint on it (activation_checkpointing.py).
+5. The autograd engine runs a callback queued during a backward once that backward has finished
    (`run_when_backward_ends`): the replicated parameters' gradients are averaged then (replicated_params.py).
-4. A module keeps its own parameters in the dict `_parameters`, which assignment, `to_empty()` and `.to()` update in
+6. Outside a backward the current graph task id is -1; inside one, a checkpoint's recompute included, it is not
+   (`inside_backward`): expert parallelism's recompute reuses the forward's split sizes (expert_parallel.py).
+7. A module keeps its own parameters in the dict `_parameters`, which assignment, `to_empty()` and `.to()` update in
    place (`own_parameters`): what must find a module's current parameters at every forward reads them there,
    without nn.Module's attribute lookup, many times dearer (one_device_precision.py, replicated_params.py).
-5. A tensor's version counter moves with every in-place change made through torch, and not with a kernel's writes
+8. A tensor's version counter moves with every in-place change made through torch, and not with a kernel's writes
    through a raw pointer (`version_counters`): one GPU's weight copies are recast when their weight changed by
    anything but FastAdam's kernel, which writes the copy itself (one_device_precision.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,10 +78,34 @@ def ignore_profiler_ranges_in_selective_checkpointing() -> None:
             checkpoint_module.SAC_IGNORED_OPS.add(getattr(packet, overload))
 
 
+FUNCTIONAL_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def functional_collective_ops() -> set:
+    """The ops torch's functional collectives (torch.distributed._functional_collectives: all-gather,
+    reduce-scatter, all-to-all) dispatch, those of this torch that exist."""
+    _guard("functional_collective_ops (parallel/torch_internals.py)")
+    namespace = torch.ops._c10d_functional
+    return {getattr(namespace, name).default for name in FUNCTIONAL_COLLECTIVES if hasattr(namespace, name)}
+
+
+def graph_break_error() -> type[Exception]:
+    """What a `torch.compile(..., fullgraph=True)` function raises at its first call when it breaks the graph (a
+    call dynamo does not trace, a `torch.compiler.disable`d function): found while tracing, nothing has run."""
+    _guard("graph_break_error (parallel/torch_internals.py)")
+    return torch._dynamo.exc.Unsupported
+
+
 def run_when_backward_ends(callback: Callable[[], None]) -> None:
     """From inside a backward (a gradient hook): run `callback` once the whole backward has finished."""
     _guard("run_when_backward_ends (parallel/torch_internals.py)")
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def inside_backward() -> bool:
+    """Whether the code runs within a backward pass (e.g. an activation-checkpointing recompute)."""
+    _guard("inside_backward (parallel/torch_internals.py)")
+    return torch._C._current_graph_task_id() != -1
 
 
 def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:

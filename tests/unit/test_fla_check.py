@@ -93,3 +93,14 @@ def test_cuda_training_without_fla_installed_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(gdr.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FlaKernelsUnavailableError, match=r"pip install -e '\.\[gpu\]'"):
         require_fla()
+
+
+@pytest.mark.parametrize("installed, warns", [("0.6.0", False), ("0.7.0", True)])
+def test_an_fla_release_its_internals_were_not_checked_on_is_named_once(monkeypatch, caplog, installed, warns):
+    monkeypatch.setattr(gdr.importlib.metadata, "version", lambda name: installed)
+    gdr.warn_if_fla_unchecked.cache_clear()
+    for _ in range(2):
+        gdr.warn_if_fla_unchecked()
+    gdr.warn_if_fla_unchecked.cache_clear()
+    named = [r for r in caplog.records if "test_fla_hopper_guard.py" in r.getMessage()]
+    assert len(named) == (1 if warns else 0) and all(installed in r.getMessage() for r in named)

@@ -4,11 +4,16 @@ changes the behaviour, not only the name, the project depends on."""
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallel.torch_internals import (
+    FUNCTIONAL_COLLECTIVES,
     function_with_own_frames,
+    functional_collective_ops,
+    graph_break_error,
     ignore_profiler_ranges_in_selective_checkpointing,
+    inside_backward,
     own_parameters,
     run_when_backward_ends,
     version_counters,
@@ -74,6 +79,57 @@ def test_selective_checkpointing_refuses_unmatched_profiler_ranges_unless_ignore
     assert x_grad is not None and torch.isfinite(x_grad).all()
 
 
+class _DispatchedOps(TorchDispatchMode):
+    """Records every op dispatched below autograd, as selective checkpointing's policy sees them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_exchanges_dispatch_the_collective_ops_selective_checkpointing_keeps(one_rank_mesh):
+    """Each exchange of parallel/collectives.py, and expert parallelism's count exchange, dispatches one of
+    `functional_collective_ops`: selective checkpointing keeps their outputs instead of running them again."""
+    from parallel.collectives import all_gather, all_to_all, reduce_scatter_sum
+    from parallel.expert_parallel import exchange_counts
+
+    kept = functional_collective_ops()
+    assert len(kept) == len(FUNCTIONAL_COLLECTIVES)
+    group = one_rank_mesh.get_group()
+    x = torch.randn(4, 3, requires_grad=True)
+    exchanges = {"all_gather": lambda: all_gather(x, group), "reduce_scatter_sum": lambda: reduce_scatter_sum(x, group),
+                 "all_to_all": lambda: all_to_all(x, [4], [4], group),
+                 "exchange_counts": lambda: exchange_counts(torch.arange(4), group)}
+    for name, exchange in exchanges.items():
+        with _DispatchedOps() as dispatched:
+            exchange().sum().item()  # waited for
+        assert kept & set(dispatched.ops), (name, dispatched.ops)
+
+
+def test_a_fullgraph_compile_that_breaks_the_graph_raises_before_running_anything():
+    """The compiled MoE half (fullgraph) that meets a graph break (here a `torch.compiler.disable`d call, as the CPU
+    experts' loop) raises `graph_break_error()` at its first call, before any of it ran: it can then run eagerly."""
+    ran = []
+
+    @torch.compiler.disable
+    def host_loop(x):
+        return x * 2
+
+    def half(x):
+        ran.append("half")
+        return host_loop(x.sin()).cos()
+
+    torch._dynamo.reset()
+    with pytest.raises(graph_break_error()):
+        torch.compile(half, fullgraph=True)(torch.randn(4))
+    assert ran == []
+    torch._dynamo.reset()
+
+
 def test_a_callback_queued_during_a_backward_runs_once_the_whole_backward_has_finished():
     """The replicated parameters' gradients are averaged by one callback queued from the first gradient hook: it must
     run after every gradient of the backward is in place, once, before `backward()` returns."""
@@ -87,6 +143,21 @@ def test_a_callback_queued_during_a_backward_runs_once_the_whole_backward_has_fi
     early.register_post_accumulate_grad_hook(queue)
     (late.sin().exp().cos().sum() + early.sum()).backward()
     assert seen == [("hook", True), ("callback", True)]
+
+
+def test_inside_backward_tells_a_checkpoint_recompute_from_the_forward():
+    """Expert parallelism's exchange reuses the forward's split sizes in a recompute: the check must be false in a
+    forward (also a checkpointed one) and true in the recompute that the backward runs."""
+    seen = []
+
+    def layer(x):
+        seen.append(inside_backward())
+        return x.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    assert not inside_backward()
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert seen == [False, True]
 
 
 def test_a_modules_own_parameter_dict_holds_its_current_parameters():

@@ -7,23 +7,21 @@ into FLA, and only after `fla_gated_delta_rule_errors` shows, on the run's own h
 every gradient match a float64 reference fed the very same bf16 inputs, head by head.
 
 That flag and what reads it are FLA's internals: tests/gpu/test_fla_hopper_guard.py checks, on the installed FLA,
-that the flag is what its guard reads; an FLA other than CHECKED_FLA_VERSIONS logs a warning once, naming the test.
+that the flag is what its guard reads; an FLA other than gated_delta_rule.CHECKED_FLA_VERSIONS logs a warning once.
 """
 
-import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import logging
 
 import torch
 import torch.nn.functional as F
 
-from .gated_delta_rule import FlaKernelsUnavailableError, gated_delta_rule, torch_chunk_gated_delta_rule
+from .gated_delta_rule import (FlaKernelsUnavailableError, gated_delta_rule, torch_chunk_gated_delta_rule,
+                               warn_if_fla_unchecked)
 
 logger = logging.getLogger(__name__)
 
-CHECKED_FLA_VERSIONS = ("0.6.0",)
 GUARD_MODULE = "fla.ops.common.chunk_o"  # holds the flag FLA's guard reads
 
 # Document boundaries of the packed rows checked: one chunk; two documents whose length is no multiple of the
@@ -66,7 +64,7 @@ def enable_fla_hopper_backward(num_k_heads: int, num_v_heads: int, head_k_dim: i
     statistics; raises FlaKernelsUnavailableError (guard left in place) when the check fails."""
     if not fla_hopper_guard_fires():
         return {"needed": False}
-    _check_fla_version()
+    warn_if_fla_unchecked()
     chunk_o = importlib.import_module(GUARD_MODULE)
 
     key = (num_k_heads, num_v_heads, head_k_dim, head_v_dim, str(device), kernel)
@@ -144,15 +142,3 @@ def fla_gated_delta_rule_errors(Hk, Hv, Dk, Dv, device, kernel=None, cases=FLA_C
             norms[name] = norms.get(name, 0) + (ref * ref).sum(1)
     biases = {n: (dots[n].abs() / norms[n].clamp_min(1e-300)).max().item() for n in _GRADIENTS}
     return errors, biases
-
-
-@functools.cache
-def _check_fla_version() -> None:
-    """Log once when the installed FLA is not one the guard's flag was checked on."""
-    try:
-        installed = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:
-        installed = "not found as fla-core"
-    if installed not in CHECKED_FLA_VERSIONS:
-        logger.warning("the FLA Hopper bypass sets a flag inside FLA checked on fla-core %s only, not %s: run "
-                       "tests/gpu/test_fla_hopper_guard.py", " and ".join(CHECKED_FLA_VERSIONS), installed)

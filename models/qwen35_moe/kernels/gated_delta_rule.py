@@ -8,17 +8,27 @@ and is reset to zero at every document start. Value head h reads key head h // (
   states kept for the backward); anything else -> `torch_chunk_gated_delta_rule`.
 - `torch_chunk_gated_delta_rule`: pure torch chunked form, differentiable by autograd.
 - `naive_recurrent_gated_delta_rule`: token-by-token reference for tests.
-- `require_fla`: CUDA needs FLA installed. FLA 0.6.0's Hopper backward guard and its self-checked bypass:
-  fla_hopper_guard.py.
+- `require_fla`: CUDA needs FLA installed (and warns where it is not a release its internals were checked on).
+  FLA 0.6.0's Hopper backward guard and its self-checked bypass: fla_hopper_guard.py.
 """
 
+import functools
+import importlib.metadata
 import importlib.util
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from .fla_saved_states import SavedStatesGatedDeltaRule
 from .fla_varlen import fla_varlen_args
+
+logger = logging.getLogger(__name__)
+
+# The FLA releases on which the project's use of FLA's internals was checked: its chunked kernels' own functions,
+# called in its order (fla_saved_states.py; tests/gpu/test_fla_kernels.py) and the flag its Hopper guard reads
+# (fla_hopper_guard.py; tests/gpu/test_fla_hopper_guard.py).
+CHECKED_FLA_VERSIONS = ("0.6.0",)
 
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None):
     """q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta (B, T, Hv); cu_seqlens int [N+1] (needs B == 1), with an
@@ -178,3 +188,17 @@ def require_fla() -> None:
         raise FlaKernelsUnavailableError(
             "training on CUDA needs FLA's kernels (package fla-core), which are not installed: "
             "pip install -e '.[gpu]' (or pip install 'fla-core>=0.6,<0.7')")
+    warn_if_fla_unchecked()
+
+
+@functools.cache
+def warn_if_fla_unchecked() -> None:
+    """Log once when the installed FLA is not a release its internals were checked on (CHECKED_FLA_VERSIONS)."""
+    try:
+        installed = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "not installed as fla-core"
+    if installed not in CHECKED_FLA_VERSIONS:
+        logger.warning("FLA's internals (its kernels' own functions, its Hopper guard's flag) were checked on fla-core "
+                       "%s only, not %s: run tests/gpu/test_fla_kernels.py and tests/gpu/test_fla_hopper_guard.py",
+                       " and ".join(CHECKED_FLA_VERSIONS), installed)

@@ -178,8 +178,8 @@ def _in_dtype(weight: torch.Tensor, given: torch.Tensor | None, dtype: torch.dty
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk: int, vocab, scale, weight_in_h_dtype):
-        # The weight's gradient is returned in the weight's own dtype, so an fp32 weight read in h's dtype (one GPU
-        # without FSDP) gets its fp32 gradient without a rounding to h's dtype on the way.
+        # The weight's gradient is returned in the weight's own dtype, so an fp32 weight read in h's dtype gets its
+        # fp32 gradient without a rounding to h's dtype on the way.
         ctx.dtypes, ctx.vocab, ctx.scaled = (h.dtype, weight.dtype), vocab, scale is not None
         w = _in_dtype(weight, weight_in_h_dtype, h.dtype)
         total, grad_h, grad_w = _chunked(h, w, labels, chunk, True, vocab, scale)
