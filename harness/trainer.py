@@ -16,6 +16,7 @@ import torch
 
 from parallel.expert_parallel import scale_expert_gradients
 from parallel.grad_norm import clip_grad_norm_
+from parallel.one_device_precision import gradient_holders
 from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
@@ -194,11 +195,10 @@ class Trainer:
         max_norm = self.cfg.training.max_norm
         # FastAdam (the optimizer on CUDA) applies the clipping as it reads the gradients: no pass of its own
         scales = isinstance(self.optimizer, FastAdam)
-        from parallel.one_device_precision import gradient_holders  # one GPU: bf16 weight copies hold gradients
-        holders = gradient_holders(self.model)
+        holders = gradient_holders(self.model)  # one GPU: the bf16 weight copies may hold gradients
         grad_norm = clip_grad_norm_(holders, math.inf if max_norm is None else max_norm,
                                     scaling_optimizer=self.optimizer if scales else None)
-        # A non-finite step still updates the weights here; `_read` stops the run before anything is saved.
+        # A non-finite step still updates the weights here; reading its values stops the run before anything is saved.
         self.optimizer.step()
         self.lr_scheduler.step()
         loads = routing_loads(step_counts, self.dims.ep).to(losses.dtype)
