@@ -2,13 +2,9 @@
 by harness/launch.py, which run_train.sh wraps, or by torchrun directly); without --config, the embedded default
 (train_configs/debug_model.toml), as run_train.sh. `--help` lists every key.
 
-Exit codes: 0 done, or stopped by SIGTERM (after saving a checkpoint when checkpointing is on); 2 bad input
-(one `error:` line naming every problem of the config, printed before any process group or output file exists, by
-rank 0 alone under torchrun; a dump folder another run holds (harness/run_lock.py); a checkpoint that cannot be
-resumed, a machine that cannot run the kernels, or bad data met while training); 3 diverged (NaN / inf loss;
-nothing saved for that step); 130 interrupted by Ctrl-C (one line; saved first unless Ctrl-C was pressed twice);
-143 stopped by SIGTERM while starting, before the first step (one line; nothing to save yet, and a dataset cache
-being built leaves no temporary folder). Under a launcher that sets QWEN35_EXIT_DIR, each rank writes its pid there
+Exit codes (what each means for a user: README, "Configuration"): BAD_INPUT, DIVERGED, INTERRUPTED and
+TERMINATED_STARTING below; every bad input is one `error:` line, printed by rank 0 alone where every rank met it.
+Under a launcher that sets QWEN35_EXIT_DIR, each rank writes its pid there
 as it starts, so the launcher can pass signals on to it, and a rank that stops for one of these reasons writes its
 code there, so the launcher can exit with it instead of torchrun's generic 1, and its `error:` line, so the
 launcher can show it when that rank's output is not shown (LOG_RANK). A rank whose collective breaks because

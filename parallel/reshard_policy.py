@@ -6,7 +6,7 @@ Keeping them saves each block's second all-gather, cast and copy-out a step, on 
 step's peak. "auto" measures both on the run itself: the first step's peak of reserved memory, and the bytes the
 resharding units' gathered weights take (each unit gathered once and freed, the allocator counting). The blocks
 keep them when the sum fits in KEEP_FRACTION of the GPU's memory on every rank; the rest of the margin is for
-steps whose routing sends more tokens to one expert than the first step's did. On CPU "auto" is "default".
+steps whose routing sends more tokens to one expert than the first step's did. On CPU "auto" is "always".
 """
 
 from __future__ import annotations

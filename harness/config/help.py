@@ -22,8 +22,8 @@ USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
 Trains Qwen3.5-MoE as FILE describes (default: train_configs/debug_model.toml); any key below can be set in
 FILE or on the command line (--key VALUE or --key=VALUE; lists as 0.9,0.95; "none" for optional numbers).
 Relative input paths in FILE are relative to FILE's folder; on the command line and for outputs, to the
-current directory. Exit codes: 0 done, 2 bad input (one `error:` line), 3 diverged (NaN / inf loss),
-130 Ctrl-C. Environment: NGPU, NNODES, RDZV_ENDPOINT, RDZV_ID, LOG_RANK, PYTHON.
+current directory. Exit codes: 0 done (or stopped by SIGTERM, saved), 2 bad input (one `error:` line),
+3 diverged (NaN / inf loss), 130 Ctrl-C, 143 SIGTERM before the first step. Environment: NGPU, NNODES, RDZV_ENDPOINT, RDZV_ID, LOG_RANK, PYTHON.
 """
 
 _FIELD = re.compile(r"^\s{4}(\w+)\s*:")

@@ -276,7 +276,7 @@ class SparseMoE(nn.Module):
 
 def force_balanced_routing(model: nn.Module, enabled: bool = True) -> int:
     """`SparseMoE.force_balanced_routing(enabled)` on every MoE layer of `model` (the MTP's too); returns how many.
-    A runtime switch (config `model.router_force_balance`): checkpoint keys and the HF export do not change."""
+    A runtime switch (config `debug.moe_force_load_balance`): checkpoint keys and the HF export do not change."""
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     for moe in layers:
         moe.force_balanced_routing(enabled)
