@@ -35,7 +35,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
 
-from .checkpoint.checkpointer import CheckpointError, model_tensors, step_folders
+from .checkpoint.checkpointer import model_tensors
+from .checkpoint.errors import CheckpointError
+from .checkpoint.step_folders import step_folders
 from .checkpoint.hf_weights import ExportTensors, check_hf_export_folder, write_hf_folder
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 

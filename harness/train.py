@@ -81,7 +81,7 @@ def _main(argv: list[str] | None) -> int:
     try:  # heavy imports only once the config is valid; Ctrl-C while they load is a stop like any other
         from models.qwen35_moe.kernels.gated_delta_rule import FlaKernelsUnavailableError
 
-        from .checkpoint.checkpointer import CheckpointError
+        from .checkpoint.errors import CheckpointError
         from .data.loader import DataError
         from .preemption import TERMINATED, TrainingStopped
         from .run_lock import RunLockError

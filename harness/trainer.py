@@ -22,7 +22,8 @@ from parallel.reshard_policy import keep_if_it_fits
 
 from .atomic_file import write_whole
 from .batch import ModelInputs
-from .checkpoint.checkpointer import Checkpointer, step_folders, verified_resume_step
+from .checkpoint.checkpointer import Checkpointer
+from .checkpoint.step_folders import step_folders, verified_resume_step
 from .checkpoint.hf_weights import check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data.chat import chat_options

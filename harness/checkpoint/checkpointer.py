@@ -7,10 +7,8 @@ written by rank 0 once every rank's files are written: the step, the world size 
 (harness/checkpoint/integrity.py; every rank digests its own files, rank 0 gathers them). A folder without COMPLETE (a
 save killed midway, or one the file system refused) is never resumed and is deleted by the next save.
 
-Resume: the newest complete checkpoint whose files match COMPLETE's digests (each rank checks its share, the ranks
-agree), else the next older one, each failure logged in one line; `checkpoint.load_step` picks one and rolls back:
-complete checkpoints newer than the one resumed are moved aside into abandoned-<UTC time>/, where pruning, which
-looks only at step-N folders directly under the checkpoint folder, never goes.
+Which step folder a launch resumes, and what is set aside: harness/checkpoint/step_folders.py. Its failures and the
+ranks' common verdict: errors.py; the train and rank states as weights_only bytes: plain_state.py.
 
 What a checkpoint holds (DCP keys):
   model.<fqn>          the model's state dict: DTensor shards under FSDP, so any world size / mesh loads it
@@ -27,7 +25,6 @@ torch unpickles whole, so a checkpoint from someone else is code: load only your
 from __future__ import annotations
 
 import errno
-import io
 import logging
 import os
 import random
@@ -57,227 +54,19 @@ from models.qwen35_moe.init import canonical_name
 
 from ..data.errors import DataError
 from ..config.resume import data_changes
-from .integrity import (
-    ALGORITHM,
-    COMPLETE,
-    check_files,
-    digest_files,
-    hash_threads,
-    rank_0_files,
-    rank_data_files,
-    read_complete,
-    write_complete,
-)
+from .errors import CheckpointError, agreed, first_cause, one_line, rank_world
+from .integrity import ALGORITHM, COMPLETE, digest_files, hash_threads, rank_0_files, rank_data_files, write_complete
+from .plain_state import from_bytes, to_bytes
+from .step_folders import gib, is_complete, set_aside, size_of, step_dirs, step_folders
 
 logger = logging.getLogger(__name__)
 # DCP says this on every save / load of a single-process run; that is what no_dist asks for.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-_STEP_FOLDER = re.compile(r"^step-(\d+)$")
 # torch's C++ writer's words for a write the file system refused, and the free space below which that is a full disk
 _WRITER_FAILURES = ("PytorchStreamWriter failed", "file write failed", "unexpected pos")
 _FULL_BYTES = 16 * 2**20
 _RECORD_BYTES = 1536  # what DCP's torch.save of one tensor adds to its bytes (state_bytes)
-ABANDONED = "abandoned-"  # + UTC time: checkpoints moved aside by a rollback or a failed verification
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed or written: missing, incomplete, corrupt, saved for another model, or a
-    file system that refused the write. train.py turns it into one `error:` line and exit 2: from rank 0 alone when
-    `every_rank` (a verdict all ranks reached together), else from each rank that met it."""
-
-    def __init__(self, message: str, every_rank: bool = False):
-        super().__init__(message)
-        self.every_rank = every_rank
-
-
-def _step_entries(folder: Path) -> dict[int, Path]:
-    """{step: path} of every step-N entry directly under `folder`, complete or not: folders, and symbolic links
-    (never followed: a link is no checkpoint of this run, and nothing here acts through one)."""
-    try:
-        entries = list(folder.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    return {int(m.group(1)): p for p in entries
-            if (m := _STEP_FOLDER.match(p.name)) and (p.is_symlink() or p.is_dir())}
-
-
-def _is_complete(path: Path) -> bool | None:
-    """Whether a step folder holds its COMPLETE; None when that cannot be read (a folder without read permission)."""
-    try:
-        return (path / COMPLETE).is_file()
-    except OSError:
-        return None
-
-
-def _step_dirs(folder: Path) -> dict[int, Path]:
-    """{step: folder} of every step-N folder directly under `folder` (links left out), complete or not."""
-    return {step: p for step, p in _step_entries(folder).items() if not p.is_symlink()}
-
-
-def step_folders(folder: str | Path) -> dict[int, Path]:
-    """{step: folder} of the complete checkpoints under `folder` (folders of their own, whose COMPLETE is there)."""
-    return {step: path for step, path in _step_dirs(Path(folder)).items() if _is_complete(path)}
-
-
-def _resume_candidates(folder: Path) -> dict[int, Path]:
-    """What a resume considers: the complete checkpoints, and every step-N that looks like one but cannot be checked
-    (a link, a folder that cannot be read), so that verification names it and, when newer than the step resumed,
-    sets it aside instead of leaving it to a later save or pruning."""
-    return {step: path for step, path in _step_entries(folder).items()
-            if path.is_symlink() or _is_complete(path) is not False}
-
-
-def agreed(error: str | None, group=None) -> str | None:
-    """The first rank's error (None: no rank has one), the same on every rank: what each rank found alone (its own
-    files, a write only it made) becomes every rank's decision, and no rank is left waiting at a collective for one
-    that has raised."""
-    if not dist.is_initialized():
-        return error
-    errors = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    return next((e for e in errors if e is not None), None)
-
-
-def _rank_world(group=None) -> tuple[int, int]:
-    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
-
-
-def _problem(path: Path, step: int, rank: int, world: int) -> str | None:
-    """What is wrong with this rank's share of checkpoint `path` of step `step` (integrity.checked_by), in a few
-    words; None if nothing."""
-    if path.is_symlink():
-        return (f"it is a symbolic link (to {os.readlink(path)}), not a folder of this run's: a checkpoint is read "
-                f"only where it was saved")
-    try:
-        record = read_complete(path)
-    except ValueError as e:
-        return str(e)
-    if record.get("step") != step:
-        return f"its {COMPLETE} records step {record.get('step')}, not {step}: a copy of another step's folder?"
-    if "files" not in record:
-        if rank == 0:
-            logger.warning("checkpoint %s has no checksums (saved before they were recorded): resuming it unverified",
-                           path)
-        return None
-    problem = check_files(path, record, rank, world, hash_threads())
-    if problem is None and rank == 0:  # COMPLETE is not among the digested files: the state it vouches for must agree
-        saved = _saved_step(path)
-        if saved != step:
-            problem = saved if isinstance(saved, str) else (f"it holds the state of step {saved}, not {step}: a copy "
-                                                            "of another step's folder?")
-    return problem
-
-
-def _saved_step(path: Path) -> int | str:
-    """The step a checkpoint's train state records (read alone, on this process), or why it cannot be read."""
-    state = {"train": b""}
-    try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        return _from_bytes(state["train"], "train", path)["step"]
-    except CheckpointError as e:
-        return str(e)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's wrapper is a BaseException)
-        return f"its train state cannot be read ({_one_line(_first_cause(e))})"
-
-
-def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) -> int | None:
-    """The step to resume, the same on every rank of `group`: `checkpoint.load_step`, or else the newest complete
-    checkpoint whose files match COMPLETE's digests, falling back to older ones (each failure logged in one line,
-    with the step resumed); None when `folder` holds no complete checkpoint. Complete checkpoints newer than the one
-    resumed are moved aside, so that the next launch continues this line, not theirs (`_set_aside`). CheckpointError
-    (nothing moved) when `load_step` is not complete or fails verification, or when no checkpoint verifies."""
-    folder = Path(folder)
-    rank, world = _rank_world(group)
-    if rank == 0:
-        _report_set_aside(folder)
-    listed = [sorted(_resume_candidates(folder))]
-    if dist.is_initialized():  # rank 0's listing, so that every rank walks the same steps
-        dist.broadcast_object_list(listed, src=0, group=group)
-    complete = {step: folder / f"step-{step}" for step in listed[0]}
-    if load_step >= 0 and load_step not in complete:
-        shown = ", ".join(f"step-{s}" for s in sorted(complete)) or "none"
-        raise CheckpointError(f"checkpoint.load_step = {load_step}: {folder / f'step-{load_step}'} is not a complete "
-                              f"checkpoint (complete ones: {shown})", every_rank=True)
-    candidates = [load_step] if load_step >= 0 else sorted(complete, reverse=True)
-    failed = []
-    for step in candidates:
-        problem = agreed(_problem(complete[step], step, rank, world), group)
-        if problem is None:
-            break
-        failed.append(f"checkpoint step-{step} failed verification: {problem}")
-    else:
-        if not candidates:
-            return None
-        what = (f"pick another checkpoint.load_step (complete ones: {', '.join(f'step-{s}' for s in sorted(complete))})"
-                if load_step >= 0 else f"no checkpoint in {folder} verifies: restore one, or start afresh in another "
-                                       "job.dump_folder")
-        raise CheckpointError("; ".join(failed) + f"; {what}", every_rank=True)
-    if rank == 0:
-        for line in failed:
-            logger.warning("%s; resuming from step-%d", line, step)
-    newer = [complete[s] for s in sorted(complete) if s > step]
-    if newer:
-        why = (f"checkpoint.load_step rolls back to step-{step}" if load_step >= 0 else
-               f"newer than step-{step}, the newest that verifies")
-        error = None
-        if rank == 0:
-            try:
-                _set_aside(folder, newer, why)
-            except OSError as e:
-                error = f"cannot move {', '.join(p.name for p in newer)} aside in {folder} ({why}): {e}"
-        error = agreed(error, group)
-        if error is not None:
-            raise CheckpointError(error, every_rank=True)
-    return step
-
-
-def _report_set_aside(folder: Path) -> None:
-    """One line when earlier launches set checkpoints aside here: nothing deletes them (they may be the line a user
-    wants back), so a full disk should not come as a surprise."""
-    aside = sorted(folder.glob(f"{ABANDONED}*"))
-    if aside:
-        size = sum(_size(path) for path in aside)
-        logger.info("checkpoint: %d folder(s) of checkpoints set aside earlier are kept in %s (%s, %.2f GiB): "
-                    "delete them once they are not needed", len(aside), folder, ", ".join(p.name for p in aside),
-                    size / 1024**3)
-
-
-def _size(path: Path) -> int:
-    """Bytes of the files under `path` (a link counts as itself: never followed); what cannot be read, as 0."""
-    total = 0
-    for root, _, files in os.walk(path):  # os.walk skips what it cannot list, and never enters a link
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _gib(size: int) -> str:
-    return f"{size / 1024**3:.2f} GiB" if size >= 2**30 else f"{size / 1024**2:.1f} MiB"
-
-
-def _set_aside(folder: Path, paths: list[Path], why: str) -> None:
-    """Move step folders (or links) into <folder>/abandoned-<UTC time>/, out of "latest" and out of pruning's reach.
-    A folder without write permission cannot change parent (its `..` entry would change): it is renamed in place to
-    abandoned-<UTC time>.step-N instead. A rename moves a link itself, never what it points to."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target, n = folder / f"{ABANDONED}{stamp}", 1
-    while target.exists():
-        target, n = folder / f"{ABANDONED}{stamp}-{n}", n + 1
-    target.mkdir()
-    moved = []
-    for path in paths:
-        try:
-            path.rename(target / path.name)
-            moved.append(target / path.name)
-        except PermissionError:
-            path.rename(folder / f"{target.name}.{path.name}")
-            moved.append(folder / f"{target.name}.{path.name}")
-    logger.warning("moved %s aside to %s (%s); pruning never touches them", ", ".join(p.name for p in paths),
-                   ", ".join(sorted({str(p.parent if p.parent != folder else p) for p in moved})), why)
 
 
 def read_metadata(checkpoint: str | Path) -> Metadata:
@@ -309,38 +98,6 @@ def _newly_trained_mtp_params(metadata: Metadata, optimizer_state: dict) -> list
     return fresh
 
 
-def _first_cause(e: BaseException) -> BaseException:
-    """The exception behind DCP's wrapper of per-rank failures (a BaseException), or `e` itself."""
-    if isinstance(e, CheckpointException) and getattr(e, "failures", None):
-        return next(iter(e.failures.values()))[0]  # (exception, traceback) of the first failed rank
-    return e.__cause__ or e
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _to_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(data: bytes, what: str, path: Path):
-    """A train or rank state, with torch.load(weights_only=True): tensors and plain values, never code.
-
-    No fallback to a full unpickling: every state this trainer has written (RNG states as tuples of ints and
-    tensors, loader positions, the LR schedule's numbers, configs as dicts) loads this way, so one that does not was
-    written by something else, and is refused."""
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:  # noqa: BLE001  (the unpickler's refusal, or bytes that are no torch.save at all)
-        raise CheckpointError(f"checkpoint {path}: its {what} state holds more than tensors and plain values, which "
-                              f"this trainer never writes ({_one_line(e)}); it is not unpickled. Was the checkpoint "
-                              "written by another program?") from None
-
-
 class Checkpointer:
     """Saves and resumes the run's state. Every rank calls `save` / `resume` at the same points."""
 
@@ -353,7 +110,7 @@ class Checkpointer:
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.keep_latest_k, self.model_config, self.hf_files = keep_latest_k, model_config, hf_files
         self.run_config = run_config
-        self.rank, self.world = _rank_world()
+        self.rank, self.world = rank_world()
         # An async save runs its collectives in a background thread: on a gloo group of its own, never on the
         # group the training step uses at the same time (interleaved collectives would deadlock or mix data).
         self.async_mode = async_mode
@@ -386,7 +143,7 @@ class Checkpointer:
 
     def _state_dict(self, step: int, run_id: str | None) -> dict:
         return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-                "train": _to_bytes(self._train_state(step, run_id)), f"rank{self.rank}": _to_bytes(self._rank_state())}
+                "train": to_bytes(self._train_state(step, run_id)), f"rank{self.rank}": to_bytes(self._rank_state())}
 
     # ---- room on the disk ----
 
@@ -417,9 +174,9 @@ class Checkpointer:
         if self.rank == 0 and saves:
             held = step_folders(self.folder)
             needed = saves if self.keep_latest_k == 0 else max(1, min(saves, self.keep_latest_k + 1 - len(held)))
-            partial = sum(_size(p) for step, p in _step_dirs(self.folder).items() if step not in held)  # deleted
+            partial = sum(size_of(p) for step, p in step_dirs(self.folder).items() if step not in held)  # deleted
             free = shutil.disk_usage(self.folder).free + partial                                     # by a save
-            room = f"one checkpoint takes about {_gib(size)} and {self.folder} has {_gib(free)} free"
+            room = f"one checkpoint takes about {gib(size)} and {self.folder} has {gib(free)} free"
             if free < size:
                 error = (f"not even one checkpoint fits: {room}. Free space, or choose another checkpoint.folder "
                          "(or job.dump_folder)")
@@ -443,13 +200,13 @@ class Checkpointer:
         error = None
         if self.rank == 0:
             try:
-                if path.is_symlink() or _is_complete(path):  # put there since the resume: never deleted, nor followed
-                    _set_aside(self.folder, [path], f"in the way of this run's step-{step}")
+                if path.is_symlink() or is_complete(path):  # put there since the resume: never deleted, nor followed
+                    set_aside(self.folder, [path], f"in the way of this run's step-{step}")
                 elif path.exists():  # an incomplete save of this step, from a run that died: start afresh
                     shutil.rmtree(path)
                 path.mkdir(parents=True)
             except OSError as e:
-                error = _one_line(e)
+                error = one_line(e)
         error = agreed(error, self.async_group)
         if error is not None:
             raise CheckpointError(self._save_error(step, path, error), every_rank=True)
@@ -485,14 +242,14 @@ class Checkpointer:
         anything else is a fault of the code, raised as it is. A refused write is an OSError somewhere in the chain
         of causes, or torch's own writer's RuntimeError, which carries no OSError where the bytes went through
         its C++ stream (a CUDA tensor's copy is written that way); the file system is asked in that case."""
-        cause = _first_cause(e)
+        cause = first_cause(e)
         while cause is not None and not isinstance(cause, OSError):
             # torch.save reports a write that failed under it as its own RuntimeError ("unexpected pos"), raised
             # while the OSError propagated
             cause = cause.__cause__ or cause.__context__
         if cause is not None:
-            return _one_line(cause)
-        text = _one_line(_first_cause(e))
+            return one_line(cause)
+        text = one_line(first_cause(e))
         if any(sign in text for sign in _WRITER_FAILURES):
             try:
                 full = shutil.disk_usage(self.folder).free < _FULL_BYTES
@@ -529,7 +286,7 @@ class Checkpointer:
                 files |= digest_files(path, [n for n in rank_0_files(path) if n not in files], hash_threads())
                 write_complete(path, {"step": step, "world_size": self.world, "checksum": ALGORITHM, "files": files})
             except OSError as e:
-                error = _one_line(e)
+                error = one_line(e)
         error = agreed(error, self.async_group)
         if error is not None:
             raise CheckpointError(self._save_error(step, path, error), every_rank=True)
@@ -549,7 +306,7 @@ class Checkpointer:
         `keep`, the checkpoint just saved, and each one's COMPLETE first, so that a kill midway leaves an incomplete
         folder, never a complete-looking partial one. Only step-N folders directly under the checkpoint folder."""
         complete = step_folders(self.folder)
-        for step, path in _step_dirs(self.folder).items():
+        for step, path in step_dirs(self.folder).items():
             if step not in complete and step != keep:
                 shutil.rmtree(path, ignore_errors=True)
         if self.keep_latest_k > 0:
@@ -576,7 +333,7 @@ class Checkpointer:
         path = self.folder / f"step-{step}"
         metadata = read_metadata(path)
         self._check_model_matches(path, metadata)
-        train = _from_bytes(self._load(path, {"train": b""})["train"], "train", path)
+        train = from_bytes(self._load(path, {"train": b""})["train"], "train", path)
         if train.get("step") != step:  # COMPLETE agreed with the name (verification): its train state must too
             raise CheckpointError(f"checkpoint {path} holds the state of step {train.get('step')}, not {step}: a copy "
                                   "of another step's folder? Move it out of the checkpoint folder")
@@ -607,7 +364,7 @@ class Checkpointer:
         for group, flag in zip(self.optimizer.param_groups, foreach):
             group["foreach"] = flag
         self.lr_scheduler.load_state_dict(train["lr_scheduler"])
-        rank_state = _from_bytes(state[f"rank{self.rank}"], f"rank{self.rank}", path) if same_world else None
+        rank_state = from_bytes(state[f"rank{self.rank}"], f"rank{self.rank}", path) if same_world else None
         if restore_data:
             self._restore_data_position(train, rank_state, path)
         else:
@@ -631,7 +388,7 @@ class Checkpointer:
             others = [f"step-{s}" for s, p in sorted(step_folders(self.folder).items()) if p != path]
             hint = (f"; an earlier checkpoint may be intact: resume it with checkpoint.load_step (complete ones: "
                     f"{', '.join(others)})" if others else "")
-            raise CheckpointError(f"cannot load checkpoint {path}: {_one_line(_first_cause(e))}{hint}") from e
+            raise CheckpointError(f"cannot load checkpoint {path}: {one_line(first_cause(e))}{hint}") from e
         return state
 
     def _check_model_matches(self, path: Path, metadata: Metadata) -> None:

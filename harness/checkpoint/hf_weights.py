@@ -48,7 +48,7 @@ from models.qwen35_moe.hf_checkpoint import (
 from models.qwen35_moe.init import canonical_name
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
-from .checkpointer import CheckpointError, agreed
+from .errors import CheckpointError, agreed
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import harness.checkpoint.checkpointer as checkpointer
-from harness.checkpoint.checkpointer import COMPLETE, Checkpointer, CheckpointError
+from harness.checkpoint.checkpointer import COMPLETE, Checkpointer
+from harness.checkpoint.errors import CheckpointError
 from tests.checkpoint_faults import disk_fills_during_dcp_writes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint.checkpointer import COMPLETE, step_folders
+from harness.checkpoint.integrity import COMPLETE
+from harness.checkpoint.step_folders import step_folders
 from harness.convert import main as convert_main
 from harness.run_lock import LOCK_FILE
 from harness.train import main

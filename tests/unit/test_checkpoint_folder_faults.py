@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint.checkpointer import ABANDONED, step_folders
+from harness.checkpoint.step_folders import ABANDONED, step_folders
 from harness.checkpoint.integrity import COMPLETE, check_files, read_complete, write_complete
 from harness.config import DEFAULT_CONFIG
 from harness.train import main

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from harness.checkpoint.checkpointer import CheckpointError
+from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.hf_weights import check_hf_export_folder, export_hf, write_hf_meta
 from harness.checkpoint.integrity import ALGORITHM, digest_files, rank_0_files, rank_data_files, write_complete
 from harness.convert import main as convert_main

@@ -12,7 +12,7 @@ import unicodedata
 import pytest
 import torch
 
-from harness.checkpoint.checkpointer import CheckpointError
+from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.hf_weights import export_hf
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer
 from models.qwen35_moe import get_flavor
