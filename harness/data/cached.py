@@ -33,6 +33,7 @@ from . import token_cache
 from .chat import ChatEncoder, ChatOptions, chat_identity
 from .chat_packing import cache_layout, layout_summary, pad_id_of
 from .errors import DataError
+from .ranks import on_every_rank, rank_and_world
 from .rows import chat_row, check_loader_args, packed_row, stack_rows
 from .saved_position import CACHED, check_saved_position
 from .sources import SOURCE_SUFFIXES, read_unit, source_files, source_units
@@ -64,7 +65,7 @@ def load_token_cache(kind: str, path: str, text_field: str, tokenizer, cache_dir
         return _source_identity(kind, files, text_field, chat_id), source_units(kind, files, UNIT_BYTES)
 
     # A rank that cannot list the files (a path missing on one node) fails every rank instead of hanging them.
-    source, units = token_cache.on_every_rank(list_units, f"listing the {kind} files of {path}")
+    source, units = on_every_rank(list_units, f"listing the {kind} files of {path}")
     read = functools.partial(read_unit, kind, text_field=text_field)
     if chat:
         read = functools.partial(read, rows=True, max_row_bytes=chat.max_row_bytes)
@@ -83,7 +84,7 @@ class TokenCacheLoader:
         self.cache, self.seq_len, self.batch_size = cache, seq_len, batch_size
         self.dp_rank, self.dp_world_size, self.infinite = dp_rank, dp_world_size, infinite
         # Every rank lays out the same rows: a layout that cannot train fails on all, and rank 0 names it.
-        self.num_rows = token_cache.on_every_rank(self._count_rows, f"laying out the rows of {cache.folder}")
+        self.num_rows = on_every_rank(self._count_rows, f"laying out the rows of {cache.folder}")
         self.next_row = 0  # global rows consumed by all DP ranks together: the whole resumable state
         self._epoch_logged = 0
 
@@ -170,7 +171,7 @@ class ChatCacheLoader(TokenCacheLoader):
 
     def _count_rows(self) -> int:
         self.layout = cache_layout(self.cache, self.seq_len + 1, self.overlong)
-        if token_cache.rank_and_world()[0] == 0:  # once per run, not once per rank
+        if rank_and_world()[0] == 0:  # once per run, not once per rank
             logger.info(f"data: chat rows of {self.cache.folder}: "
                         + layout_summary(self.layout, self.cache, self.seq_len + 1, self.overlong))
         return self.layout.num_rows

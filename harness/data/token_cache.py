@@ -66,6 +66,7 @@ import numpy as np
 
 from .errors import DataError
 from .long_text import encode_text
+from .ranks import all_gather, on_every_rank, rank_and_world
 from .sources import Skipped
 
 logger = logging.getLogger(__name__)
@@ -147,53 +148,6 @@ def _meta_checksum(meta: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Collectives (default group; a no-op in one process)
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def rank_and_world() -> tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-def _all_gather(obj) -> list:
-    dist = _dist()
-    if dist is None:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def on_every_rank(step: Callable[[], T], what: str) -> T:
-    """Run `step` here, then fail on every rank if it failed on any: a DataError elsewhere is a DataError here
-    too (bad input: exit 2 on every rank). Collective: every rank calls it, in the same order. Without it a failing
-    rank would leave the others waiting at the next collective until a timeout."""
-    result, error = None, None
-    try:
-        result = step()
-    except Exception as e:  # not BaseException: Ctrl-C stops this rank as usual
-        error = e
-    failure = None if error is None else (isinstance(error, DataError), f"{type(error).__name__}: {error}")
-    failures = _all_gather(failure)
-    if error is not None:
-        error.every_rank = True  # every rank knows: rank 0 names it (harness/train.py)
-        raise error
-    for rank, failure in enumerate(failures):
-        if failure is not None:
-            is_data_error, message = failure
-            raised = (DataError if is_data_error else RuntimeError)(f"{what} failed on rank {rank}: {message}")
-            raised.every_rank = True
-            raise raised
-    return result
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Encoders: a document to its token ids (and target flags)
 
 
@@ -242,13 +196,13 @@ def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_uni
         raise ValueError(f"dataset cache verify mode {verify!r}: expected 'quick' or 'full'")
     tok_identity = tokenizer_identity(tokenizer)
     key = cache_key(source, _digest(tok_identity))
-    keys = _all_gather(key)
+    keys = all_gather(key)
     for rank, other in enumerate(keys):
         if other != key:
             raise DataError(f"ranks disagree on the dataset cache key ({key} here, {other} on rank {rank}): do all "
                             f"ranks see the same dataset files (sizes, mtimes) and the same tokenizer?")
     folder = Path(cache_dir) / key
-    built = not all(_all_gather(folder.exists()))  # build unless every rank sees it; a lost race keeps the winner's
+    built = not all(all_gather(folder.exists()))  # build unless every rank sees it; a lost race keeps the winner's
     if built:
         _build(folder, source, tok_identity, units, read_unit, tokenizer, encoder)
     rank = rank_and_world()[0]
@@ -419,7 +373,7 @@ def _build(folder: Path, source: dict, tok_identity: dict, units: Sequence, read
     started = time.perf_counter()
     # One temporary folder for the whole world, named by rank 0; beside the cache so that the rename stays on
     # one filesystem.
-    tmp = folder.parent / _all_gather(f".{folder.name}.tmp-{uuid.uuid4().hex[:12]}")[0]
+    tmp = folder.parent / all_gather(f".{folder.name}.tmp-{uuid.uuid4().hex[:12]}")[0]
     try:
         mine = list(range(rank, len(units), world))
         on_every_rank(lambda: _tokenize_units(tmp, units, mine, read_unit, tokenizer, encoder),
