@@ -41,7 +41,7 @@ FIRST_ATTEMPT = "{}.first-attempt"  # a failed run's folder, set aside when it r
 # Hang guards, not time limits: the longest run takes 30 s on an idle 2-core machine, a few minutes under heavy load.
 COLLECTIVE_TIMEOUT_S = 900  # how long a rank waits at a collective (gloo's timeout: the waiting rank then raises)
 HANG_S = 1800  # a launch in which no run starts or finishes for this long is stopped; its run in progress fails
-POLL_S = 2
+POLL_S = 10  # how often a launch's progress is looked at
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,16 @@ def register(run: Run) -> Run:
     imported, so every run is known before the first launch starts)."""
     assert REGISTERED.setdefault(run.name, run) == run, f"two runs named {run.name}"
     return run
+
+
+def register_first(*runs: Run) -> tuple[Run, ...]:
+    """Registers `runs`, in this order, ahead of the runs registered before them: first in their launches."""
+    for run in runs:
+        register(run)
+    ordered = {run.name: run for run in runs} | {name: run for name, run in REGISTERED.items() if run not in runs}
+    REGISTERED.clear()
+    REGISTERED.update(ordered)
+    return runs
 
 
 def register_layouts(prefix: str, target: str, layouts: dict[str, tuple[int, tuple[str, ...]]]) -> tuple[Run, dict]:
@@ -272,17 +282,15 @@ class SharedLaunches:
     def _hung(self, runs: list[Run]) -> bool:
         """Waits for the launch of `runs` to end; stops it and returns True if none of them starts or finishes for
         HANG_S seconds."""
+        launch, ended = self.running, threading.Event()
+        threading.Thread(target=lambda: (launch.wait(), ended.set()), daemon=True).start()  # a blocking wait: no polls
         marks, last = -1, time.monotonic()
-        while True:
-            try:
-                self.running.wait(timeout=POLL_S)
-                return False
-            except subprocess.TimeoutExpired:
-                pass
+        while not ended.wait(POLL_S):
             now = sum((self.folder / r.name / mark).exists() for r in runs for mark in (STARTED, FINISHED))
             if now != marks:
                 marks, last = now, time.monotonic()
             elif time.monotonic() - last > HANG_S:
-                os.killpg(self.running.pid, signal.SIGKILL)
-                self.running.wait()
+                os.killpg(launch.pid, signal.SIGKILL)
+                ended.wait()
                 return True
+        return False

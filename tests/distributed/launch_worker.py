@@ -1,6 +1,6 @@
-"""Worker for test_launch (runs of the shared launches, tests/distributed/launch.py, that fail by design). Each run
-writes its process id to <folder>/pid.rank<r>; a run that fails only the first time marks that in <folder>.tried, a
-file beside its folder (a failed run's folder is set aside when it runs again)."""
+"""Worker for test_launch (runs of the shared launches, tests/distributed/launch.py, that fail by design, and runs
+after them). A run that fails only the first time marks that in <folder>.tried, a file beside its folder (a failed
+run's folder is set aside when it runs again)."""
 
 import json
 import os
@@ -20,7 +20,7 @@ def _first_time(folder: str) -> bool:
 
 def fails_on_rank_1(folder: str) -> None:
     """Rank 1 leaves the first time as a killed process does (no traceback), and raises the second; rank 0 waits
-    meanwhile, outside any collective, until torchrun stops it."""
+    meanwhile, outside any collective, until torchrun stops it. Each rank's process id in <folder>/pid.rank<r>."""
     rank = dist.get_rank()
     Path(folder, f"pid.rank{rank}").write_text(str(os.getpid()))
     if rank == 1:
@@ -31,7 +31,8 @@ def fails_on_rank_1(folder: str) -> None:
 
 
 def sums_over_the_ranks(folder: str) -> None:
-    """An all-reduce of each rank's 1 over the launch's process group."""
+    """An all-reduce of each rank's 1 over the launch's process group: the sum and the rank's process id in
+    <folder>/rank<r>.json."""
     rank = dist.get_rank()
     total = torch.ones(())
     dist.all_reduce(total)
@@ -41,4 +42,8 @@ def sums_over_the_ranks(folder: str) -> None:
 def fails_once(folder: str) -> None:
     if _first_time(folder):
         raise RuntimeError("this run fails the first time by design")
+    Path(folder, "passed").touch()
+
+
+def fails_never(folder: str) -> None:
     Path(folder, "passed").touch()

@@ -36,7 +36,8 @@ def main(spec: str) -> None:
         try:
             getattr(importlib.import_module(module), function)(folder, *args)
             assert torch.get_default_dtype() == torch.float32, f"{target} left the default dtype changed"
-            torch._dynamo.reset()
+            if "torch._dynamo" in sys.modules:  # else nothing was compiled (and its import takes seconds)
+                torch._dynamo.reset()
             torch.use_deterministic_algorithms(False)  # the trainer's training.deterministic switches it process-wide
             gc.collect()
             if distributed:
