@@ -178,10 +178,12 @@ def scale_expert_gradients(model: nn.Module, ep: int) -> None:
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
-    """Replace each (E, ...) weight of `experts` by a DTensor sharded on dim 0 over the EP mesh: rank r keeps
-    experts r * E/ep ... (r + 1) * E/ep - 1. No communication (slices the local tensor, on meta too)."""
-    for name, param in list(experts.named_parameters(recurse=False)):
-        if param.shape[0] % mesh.size():
-            raise ValueError(f"{param.shape[0]} experts cannot be split evenly over {mesh.size()} EP ranks")
-        sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
-        setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    """Replace each (E, ...) weight of `experts` (and of its LoRA adapter, models/qwen35_moe/lora.py) by a DTensor
+    sharded on dim 0 over the EP mesh: rank r keeps experts r * E/ep ... (r + 1) * E/ep - 1. No communication
+    (slices the local tensor, on meta too)."""
+    for module in experts.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.shape[0] % mesh.size():
+                raise ValueError(f"{param.shape[0]} experts cannot be split evenly over {mesh.size()} EP ranks")
+            sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+            setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))

@@ -87,8 +87,9 @@ class OneDevicePrecision:
         if module not in self._readers:
             self._readers[module] = reader = KeptCopies()
             parameters = own_parameters(module)
+            # none of a weight already held in `dtype` (a frozen base under LoRA): it is read as it is
             self._slots += [(parameters, name, reader) for name, p in parameters.items()
-                            if p is not None and p.ndim >= 2]
+                            if p is not None and p.ndim >= 2 and p.dtype != self.dtype]
         return self._readers[module]
 
     def before_forward(self) -> None:

@@ -102,17 +102,16 @@ class CPAwareGatedDeltaNet(nn.Module):
         if cu_seqlens is not None:
             x = x.reshape(1, batch * seq, -1)  # varlen kernels take one flattened stream
         tokens = x.shape[:2]
-        w_qkv = _rows(self.in_proj_qkv.weight_as(x.dtype), qkv_rows, groups)
         w_conv = _rows(self.conv1d.weight.squeeze(1), qkv_rows, groups).to(x.dtype)
-        q, k, v = causal_conv1d_qkv(F.linear(x, w_qkv), w_conv, (hk * dk, hk * dk, hv * dv), layout.position_ids,
-                                    cu_seqlens)  # each (b, t, part)
+        q, k, v = causal_conv1d_qkv(self.in_proj_qkv.part(x, _rows_of(qkv_rows, groups)), w_conv,
+                                    (hk * dk, hk * dk, hv * dv), layout.position_ids, cu_seqlens)  # each (b, t, part)
         q, k, v = q.reshape(*tokens, hk, dk), k.reshape(*tokens, hk, dk), v.reshape(*tokens, hv, dv)
-        beta = F.linear(x, _rows(self.in_proj_b.weight_as(x.dtype), [heads], groups)).sigmoid()  # (b, t, hv)
-        a = F.linear(x, _rows(self.in_proj_a.weight_as(x.dtype), [heads], groups))
+        beta = self.in_proj_b.part(x, _rows_of([heads], groups)).sigmoid()  # (b, t, hv)
+        a = self.in_proj_a.part(x, _rows_of([heads], groups))
         g = self._fp32_params(a, heads)  # fp32
 
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)  # (b, t, hv, dv)
-        z = F.linear(x, _rows(self.in_proj_z.weight_as(x.dtype), [values], groups)).reshape(*tokens, hv, dv)
+        z = self.in_proj_z.part(x, _rows_of([values], groups)).reshape(*tokens, hv, dv)
         o = self.norm(o, z).reshape(batch, seq, hv * dv)
         return self.project(o) if projected else o
 
@@ -121,7 +120,7 @@ class CPAwareGatedDeltaNet(nn.Module):
         sums reduce-scattered to this rank's tokens."""
         group, groups = self._head_group()
         values = slice(group * self.value_dim // groups, (group + 1) * self.value_dim // groups)
-        out = F.linear(o, _columns(self.out_proj.weight_as(o.dtype), values, groups))
+        out = self.out_proj.part(o, columns=None if groups == 1 else lambda w: w[:, values])
         return out if self.context_parallel is None else self.context_parallel.scatter_sequence(out)
 
     def _head_group(self) -> tuple[int, int]:
@@ -139,5 +138,6 @@ def _rows(weight: torch.Tensor, parts: list[slice], groups: int) -> torch.Tensor
     return weight if groups == 1 else torch.cat([weight[p] for p in parts])
 
 
-def _columns(weight: torch.Tensor, part: slice, groups: int) -> torch.Tensor:
-    return weight if groups == 1 else weight[:, part]
+def _rows_of(parts: list[slice], groups: int):
+    """The cut of a weight's rows `parts` (Linear.part); None (the whole weight) when there is one group."""
+    return None if groups == 1 else lambda weight: _rows(weight, parts, groups)

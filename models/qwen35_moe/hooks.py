@@ -12,6 +12,9 @@ function, parallel/parallelize.py).
 | `mixed_precision: MixedPrecision` | the model | None: the weights' dtype | `OneDevicePrecision` (one_device_precision.py) |
 | `weight_reader: WeightReader`, from it | each Linear, RoutedExperts | None: cast where used | `KeptCopies` (one_device_precision.py) |
 
+One more extension point is not parallelism's: `adapter`, declared on each Linear, TopKRouter and RoutedExperts
+(None: the plain module), where LoRA puts its trained low-rank update beside a frozen weight (lora.py).
+
 The model imports nothing from torch.distributed: the protocols below say what it calls, parallel/ implements them.
 """
 

@@ -13,6 +13,8 @@ The rules, by parameter (HF-like, as transformers initialises Qwen3.5-MoE):
   other *norm.weight        0                    (zero-centred RMSNorms: scale 1 + w; also the MTP's
                                                   mtp.pre_fc_norm_{embedding,hidden}.weight)
   conv1d.weight             U(-1/sqrt(W), 1/sqrt(W))  (PyTorch's Conv1d default, as FLA's ShortConvolution)
+  *.adapter.*_A             U(-1/sqrt(in), 1/sqrt(in))  (LoRA, lora.py: PEFT's default)
+  *.adapter.*_B             0                    (LoRA starts from the base model exactly)
   *.bias                    0
   everything else           N(0, initializer_range)   (projections, experts, router, embedding, lm_head)
 """
@@ -49,6 +51,11 @@ def initial_value(name: str, shape: torch.Size, std: float, generator: torch.Gen
     """The full initial fp32 tensor of parameter `name` (a state-dict key) drawn from `generator`."""
     device = generator.device
     full = torch.empty(shape, dtype=torch.float32, device=device)
+    if ".adapter." in name:  # LoRA's (lora.py)
+        if name.endswith(("lora_B", "_B")):
+            return full.zero_()
+        bound = 1.0 / math.sqrt(shape[-1])
+        return full.uniform_(-bound, bound, generator=generator)
     if name.endswith("A_log"):
         return full.uniform_(0.01, 16, generator=generator).log_()
     if name.endswith(("dt_bias", "linear_attn.norm.weight")):

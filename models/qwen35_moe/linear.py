@@ -8,11 +8,15 @@ Where no FSDP policy casts them (one GPU), the model's `mixed_precision` gives e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .hooks import WeightReader
+
+Cut = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Linear(nn.Linear):
@@ -21,6 +25,7 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.weight_reader: WeightReader | None = None  # hooks.py
+        self.adapter: nn.Module | None = None  # a trained update beside the frozen weight (lora.py)
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` (cast where it differs, or read through `weight_reader`)."""
@@ -30,4 +35,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight_as(x.dtype), bias)
+        out = F.linear(x, self.weight_as(x.dtype), bias)
+        return out if self.adapter is None else out + self.adapter(x)
+
+    def part(self, x: torch.Tensor, rows: Cut | None = None, columns: Cut | None = None) -> torch.Tensor:
+        """Some outputs, or the partial sums over some inputs: F.linear of x with the weight's rows cut by `rows`,
+        its columns by `columns` (functions of a matrix; no bias). The adapter's update is cut the same way (B's
+        rows, A's columns)."""
+        weight = self.weight_as(x.dtype)
+        weight = weight if rows is None else rows(weight)
+        out = F.linear(x, weight if columns is None else columns(weight))
+        return out if self.adapter is None else out + self.adapter(x, rows, columns)

@@ -34,6 +34,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.adapter: nn.Module | None = None  # a trained update beside the frozen weight (lora.py)
 
     def forward(self, x: torch.Tensor, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, D) -> probs (N, E) fp32, top-k weights (N, k) fp32, top-k expert ids (N, k).
@@ -41,6 +42,8 @@ class TopKRouter(nn.Module):
         `balanced` (benchmarks only, `balanced_expert_ids`): the ids are a fixed round-robin instead of the top-k,
         the weights the probabilities at those ids, renormalised as the top-k's are."""
         logits = F.linear(x, self.weight.to(x.dtype))
+        if self.adapter is not None:
+            logits = logits + self.adapter(x)
         probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # float64 stays
         if balanced:
             ids = balanced_expert_ids(x.shape[0], self.top_k, probs.shape[-1], x.device)
@@ -157,6 +160,7 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.sharding: ParamSharding = UNSHARDED  # hooks.py
         self.weight_reader: WeightReader | None = None  # hooks.py
+        self.adapter: nn.Module | None = None  # lora.ExpertLowRank: per-expert updates beside the frozen weights
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D). Rows past sum(counts) belong to no
@@ -176,8 +180,13 @@ class RoutedExperts(nn.Module):
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.
         gate_up_proj, down_proj = self._weights(x.dtype)
         offsets = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+        gate_up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets)
+        if self.adapter is not None:
+            gate_up = gate_up + self.adapter.grouped(x, "gate_up", offsets, self.sharding)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        out = torch._grouped_mm(hidden, down_proj.transpose(-2, -1), offs=offsets)
+        return out if self.adapter is None else out + self.adapter.grouped(hidden, "down", offsets, self.sharding)
 
     @torch.compiler.disable  # eager under compile: split sizes read on the host would recompile at every routing
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -189,8 +198,13 @@ class RoutedExperts(nn.Module):
         routed_rows = sum(sizes)
         outputs = []
         for e, rows in enumerate(x[:routed_rows].split(sizes)):
-            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))
+            gate_up = F.linear(rows, gate_up_proj[e])
+            if self.adapter is not None:
+                gate_up = gate_up + self.adapter.one(rows, "gate_up", e, self.sharding)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+            out = F.linear(hidden, down_proj[e])
+            outputs.append(out if self.adapter is None else out + self.adapter.one(hidden, "down", e, self.sharding))
         outputs.append(x.new_zeros(x.shape[0] - routed_rows, down_proj.shape[1]))  # rows past the last expert's
         return torch.cat(outputs)
 

@@ -1,0 +1,170 @@
+"""LoRA (Hu et al., 2021): a trained low-rank update beside each targeted projection of a frozen model.
+
+A targeted projection W (out, in) computes W x + s * B (A x), s = alpha / rank, A (rank, in) drawn at random and
+B (out, rank) zero, so training starts from the base model exactly. Only A and B train (fp32 master weights and
+AdamW state); the base weights keep no gradient, no optimizer state and no fp32 copy: the trainer holds them in the
+compute dtype (harness/model_setup.py).
+
+The adapters enter the model through one declared extension point, the `adapter` of each Linear, TopKRouter and
+RoutedExperts (None, the default, leaves the model plain; hooks.py). The routed experts get one pair per expert
+on the fused gate/up projection and one on the down projection, run as grouped GEMMs beside the base's (moe.py),
+never as a loop over experts on the GPU.
+
+Targets name modules by their last name, as PEFT's `target_modules` does: the gated attention's q/k/v/o_proj,
+Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_a / in_proj_b / out_proj, the shared expert's projections
+("shared_expert"), its gate ("shared_expert_gate"), the routed experts ("experts"), the router ("router") and the
+MTP layer's input projection ("fc"). The embedding and the lm_head are never adapted (train them fully instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .init import canonical_name
+from .linear import Linear
+from .moe import RoutedExperts, TopKRouter
+
+DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                 "out_proj", "shared_expert", "shared_expert_gate", "router", "fc")
+TARGETS = (*DENSE_TARGETS, "experts")
+# Every projection of the blocks but the routing ones (router and shared-expert gate: a rank-r update of a
+# one-row or E-row matrix adds nothing a full update would not, and they steer the experts' load).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                   "out_proj", "shared_expert", "experts")
+
+
+@dataclass(frozen=True)
+class LoraArgs:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    mtp: bool = False  # adapters on the MTP layers too (else they stay frozen as loaded)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LowRank(nn.Module):
+    """The update of one dense projection: x -> s * B (A dropout(x))."""
+
+    def __init__(self, in_features: int, out_features: int, args: LoraArgs):
+        super().__init__()
+        self.scale = args.scale
+        self.lora_A = nn.Parameter(torch.empty(args.rank, in_features))
+        self.lora_B = nn.Parameter(torch.empty(out_features, args.rank))
+        self.dropout = nn.Dropout(args.dropout) if args.dropout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, rows=None, columns=None) -> torch.Tensor:
+        """`rows` / `columns` (Linear.part): the update of the base weight's rows / columns they cut."""
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        low = F.linear(self.dropout(x), a if columns is None else columns(a)) * self.scale  # scaled rank-wide
+        return F.linear(low, b if rows is None else rows(b))
+
+    def delta(self) -> torch.Tensor:
+        """s * B A (out, in) in fp32 (at least): what merging adds to the base weight."""
+        dtype = torch.promote_types(self.lora_A.dtype, torch.float32)
+        return self.scale * (self.lora_B.to(dtype) @ self.lora_A.to(dtype))
+
+
+class ExpertLowRank(nn.Module):
+    """The updates of the routed experts: per expert e, s * B_e A_e on the fused gate/up projection (2I, D) and on
+    the down projection (D, I). Under expert parallelism each (E, ...) parameter is sharded on its expert dimension
+    as the base weights are (parallel/expert_parallel.py): `sharding.local` gives this rank's experts."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, args: LoraArgs):
+        super().__init__()
+        self.scale = args.scale
+        self.gate_up_A = nn.Parameter(torch.empty(num_experts, args.rank, dim))
+        self.gate_up_B = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, args.rank))
+        self.down_A = nn.Parameter(torch.empty(num_experts, args.rank, hidden_dim))
+        self.down_B = nn.Parameter(torch.empty(num_experts, dim, args.rank))
+        self.dropout = nn.Dropout(args.dropout) if args.dropout else nn.Identity()
+
+    def pairs(self, which: str, sharding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) of `which` ("gate_up" or "down") in `dtype`."""
+        return tuple(sharding.local(getattr(self, f"{which}_{m}")).to(dtype) for m in ("A", "B"))
+
+    def grouped(self, x: torch.Tensor, which: str, offsets: torch.Tensor, sharding) -> torch.Tensor:
+        """x (M, in) sorted by expert, `offsets` each expert's end row -> (M, out): two grouped GEMMs."""
+        a, b = self.pairs(which, sharding, x.dtype)
+        low = torch._grouped_mm(self.dropout(x), a.transpose(-2, -1), offs=offsets) * self.scale
+        return torch._grouped_mm(low, b.transpose(-2, -1), offs=offsets)
+
+    def one(self, x: torch.Tensor, which: str, expert: int, sharding) -> torch.Tensor:
+        """Expert `expert`'s (a local index) update of its rows x (the reference path)."""
+        a, b = self.pairs(which, sharding, x.dtype)
+        return F.linear(F.linear(self.dropout(x), a[expert]) * self.scale, b[expert])
+
+    def delta(self, which: str) -> torch.Tensor:
+        """s * B_e A_e of every expert (E, out, in) in fp32 (at least), for the whole (unsharded) parameters."""
+        a, b = getattr(self, f"{which}_A"), getattr(self, f"{which}_B")
+        dtype = torch.promote_types(a.dtype, torch.float32)
+        return self.scale * (b.to(dtype) @ a.to(dtype))
+
+
+def _targets_of(model: nn.Module, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
+    """(module name, module, target) of every module `args` adapts."""
+    chosen = set(args.targets)
+    found = []
+    for name, module in model.named_modules():
+        if name.startswith("mtp.") and not args.mtp:
+            continue
+        parts = name.split(".")
+        leaf, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
+        if isinstance(module, RoutedExperts):
+            target = "experts"
+        elif isinstance(module, TopKRouter):
+            target = "router"
+        elif isinstance(module, Linear) and parent == "shared_expert":
+            target = "shared_expert"
+        elif isinstance(module, Linear) and leaf in DENSE_TARGETS:
+            target = leaf
+        else:
+            continue
+        if target in chosen:
+            found.append((name, module, target))
+    return found
+
+
+def add_adapters(model: nn.Module, args: LoraArgs) -> int:
+    """Freeze every parameter of `model` and give each targeted module its adapter (on any device, meta too: their
+    values come with init_weights). Returns how many modules were adapted."""
+    model.requires_grad_(False)
+    targets = _targets_of(model, args)
+    for _, module, target in targets:
+        weight = module.gate_up_proj if target == "experts" else module.weight
+        with torch.device(weight.device):
+            if target == "experts":
+                num_experts, two_hidden, dim = weight.shape
+                module.adapter = ExpertLowRank(num_experts, dim, two_hidden // 2, args)
+            else:
+                module.adapter = LowRank(weight.shape[1], weight.shape[0], args)
+    return len(targets)
+
+
+def adapted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module that carries an adapter."""
+    return [(name, module) for name, module in model.named_modules() if getattr(module, "adapter", None) is not None]
+
+
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{state-dict key of a base weight: base + s * B A} for every adapted weight of `model` (whole parameters:
+    one process), in fp32 (at least); the exports write these in place of the base's."""
+    merged = {}
+    for name, module in adapted_modules(model):
+        prefix = canonical_name(name) + "." if name else ""
+        adapter = module.adapter
+        if isinstance(adapter, ExpertLowRank):
+            for which in ("gate_up", "down"):
+                delta = adapter.delta(which)
+                merged[f"{prefix}{which}_proj"] = getattr(module, f"{which}_proj").to(delta.dtype) + delta
+        else:
+            delta = adapter.delta()
+            merged[f"{prefix}weight"] = module.weight.to(delta.dtype) + delta
+    return merged
