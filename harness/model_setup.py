@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
 from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward, refuse_fla_hopper_backward
 from models.qwen35_moe.kernels.gated_delta_rule import require_fla
+from models.qwen35_moe.lora import LoraArgs, add_adapters, hold_frozen_in
 from models.qwen35_moe.moe import force_balanced_routing
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
@@ -49,20 +50,35 @@ def _vocab_parallel(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes) -> bool
 
 
 def trains_mtp(cfg: JobConfig, model: Qwen35MoeModel) -> bool:
-    """Whether the run trains the model's MTP layers (it has some, and their loss has a weight)."""
-    return model.mtp is not None and cfg.training.mtp_loss_coef > 0
+    """Whether the run trains the model's MTP layers (it has some, their loss has a weight and, under LoRA, they
+    have adapters)."""
+    return model.mtp is not None and cfg.training.mtp_loss_coef > 0 and (not cfg.lora.enable or cfg.lora.mtp == "lora")
+
+
+def lora_args(cfg: JobConfig) -> LoraArgs | None:
+    """The run's LoRA (config [lora]), None without."""
+    lora = cfg.lora
+    if not lora.enable:
+        return None
+    return LoraArgs(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), mtp=lora.mtp == "lora")
 
 
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
                 load_hf: bool = True, grad_accum_steps: int = 1) -> Qwen35MoeModel:
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
+    lora = lora_args(cfg)
+    if lora is not None:
+        adapted = add_adapters(model, lora)
+        logger.info("LoRA: rank %d, alpha %g, on %d modules (%s); every other weight frozen", lora.rank, lora.alpha,
+                    adapted, ", ".join(lora.targets))
     train_mtp = trains_mtp(cfg, model)
     if model.mtp is not None and not train_mtp:
         # Loaded, kept and exported as they are, never run: frozen, and so without gradients or optimizer state.
         model.mtp.requires_grad_(False)
-        logger.info("MTP layers (mtp_num_hidden_layers %d): training.mtp_loss_coef is 0, so carried frozen from the "
-                    "initial weights to the export", args.mtp_num_hidden_layers)
+        logger.info("MTP layers (mtp_num_hidden_layers %d): %s, so carried frozen from the initial weights to the "
+                    "export", args.mtp_num_hidden_layers,
+                    "training.mtp_loss_coef is 0" if lora is None else "no adapters on them (lora.mtp frozen)")
     elif train_mtp:
         logger.info("MTP layers (mtp_num_hidden_layers %d): trained, loss weight training.mtp_loss_coef %g (0 keeps "
                     "them frozen)", args.mtp_num_hidden_layers, cfg.training.mtp_loss_coef)
@@ -81,6 +97,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
         refuse_fla_hopper_backward()
     # CPU runs compute in the parameters' own dtype (fp32): bf16 matmuls are slow there, the debug model is tiny.
     on_gpu = device.type == "cuda"
+    if lora is not None and on_gpu:
+        hold_frozen_in(model, DTYPES[cfg.training.mixed_precision_param])
     if cfg.compile.enable and cfg.activation_checkpoint.mode == "selective":
         logger.warning("activation_checkpoint.mode selective with compile.enable: the per-op policy cannot see into "
                        "the compiled graphs, which are recomputed whole; full is faster and holds less "

@@ -24,6 +24,7 @@ from .atomic_file import write_whole
 from .batch import ModelInputs
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.step_folders import step_folders, verified_resume_step
+from .checkpoint.lora_base import lora_record
 from .checkpoint.hf_weights import check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data.chat import chat_options
@@ -31,7 +32,7 @@ from .data.loader import build_dataloader
 from .objective import Objective, routing_loads
 from .optim.lr_schedule import build_lr_scheduler
 from .metrics import DeviceClock, MetricsLogger, mean_attended_keys, peak_flops, training_flops_per_token
-from .model_setup import DTYPES, build_model, build_model_args, trains_mtp
+from .model_setup import DTYPES, build_model, build_model_args, lora_args, trains_mtp
 from .optim.fast_adam import FastAdam
 from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
@@ -77,8 +78,10 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
-        # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all.
-        self.model = build_model(cfg, self.model_args, self.meshes, self.device, load_hf=resume_step is None,
+        # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all (but
+        # under LoRA, whose checkpoints hold the adapters only: the frozen base is read again).
+        self.model = build_model(cfg, self.model_args, self.meshes, self.device,
+                                 load_hf=resume_step is None or cfg.lora.enable,
                                  grad_accum_steps=self.layout.grad_accum_steps)
         self.train_mtp = trains_mtp(cfg, self.model)
         aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
@@ -110,7 +113,7 @@ class Trainer:
                 keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
                 model_config=args_for_hf.to_hf_config(ckpt.export_dtype),
                 hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files),
-                run_config=cfg.to_dict())
+                run_config=cfg.to_dict(), lora=self._lora_record())
         if resume_step is not None:
             train_state = self.checkpointer.resume(resume_step, restore_data=not ckpt.restart_data)
             self.step, line = train_state["step"], train_state.get("run_id") or train_state.get("tb_run")
@@ -291,6 +294,12 @@ class Trainer:
                 f"{self.steps.last['loss']:.4f}" if steps else
                 f"nothing to train: step {self.step} of training.steps {cfg.training.steps} already done")
         print(f"[{cfg.job.name}] done: {work}; outputs in {folder}: {', '.join(outputs)}", flush=True)
+
+    def _lora_record(self) -> dict | None:
+        """A LoRA run's settings and the digest of its base, saved with its checkpoints (lora_base.py)."""
+        lora = lora_args(self.cfg)
+        return None if lora is None else lora_record(lora, self.cfg.checkpoint.initial_load_hf,
+                                                     self.cfg.training.seed, self.model_args)
 
     @property
     def export_folder(self) -> str:

@@ -46,7 +46,8 @@ class ReplicatedParams:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        return [parameters[name] for parameters, name in self.slots]
+        """The trained ones (frozen ones, e.g. under LoRA, have no gradient to average)."""
+        return [parameters[name] for parameters, name in self.slots if parameters[name].requires_grad]
 
     def _hook_params(self, *_) -> None:
         """Hook the parameters the forward is about to use: materialising a model built on the meta device

@@ -55,6 +55,7 @@ from models.qwen35_moe.init import canonical_name
 from ..data.errors import DataError
 from ..config.resume import data_changes
 from .errors import CheckpointError, agreed, first_cause, one_line, rank_world
+from .lora_base import lora_problem
 from .integrity import ALGORITHM, COMPLETE, digest_files, hash_threads, rank_0_files, rank_data_files, write_complete
 from .plain_state import from_bytes, to_bytes
 from .step_folders import gib, is_complete, set_aside, size_of, step_dirs, step_folders
@@ -103,13 +104,17 @@ class Checkpointer:
 
     def __init__(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler,
                  dataloader, *, keep_latest_k: int, async_mode: str, model_config: dict, hf_files=None,
-                 run_config: dict | None = None):
+                 run_config: dict | None = None, lora: dict | None = None):
         """`hf_files(folder)` writes config.json and the tokenizer beside each checkpoint. `run_config`: the run's
-        config as a plain dict, saved in the train state and returned by `resume` (None from checkpoints without)."""
+        config as a plain dict, saved in the train state and returned by `resume` (None from checkpoints without).
+        `lora`: a LoRA run's adapters and base (lora_base.lora_record): its checkpoints then hold the trained
+        parameters only, and resume only onto the same base."""
         self.folder = Path(folder)
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.keep_latest_k, self.model_config, self.hf_files = keep_latest_k, model_config, hf_files
-        self.run_config = run_config
+        self.run_config, self.lora = run_config, lora
+        # A LoRA run's frozen base is not saved (it is loaded again from where it came from)
+        self.model_options = StateDictOptions(ignore_frozen_params=lora is not None)
         self.rank, self.world = rank_world()
         # An async save runs its collectives in a background thread: on a gloo group of its own, never on the
         # group the training step uses at the same time (interleaved collectives would deadlock or mix data).
@@ -127,7 +132,7 @@ class Checkpointer:
         return {"step": step, "lr_scheduler": self.lr_scheduler.state_dict(),
                 "dataloader": self.dataloader.state_dict() if self._global_loader_state() else None,
                 "model_config": self.model_config, "world_size": self.world, "run_id": run_id,
-                "run_config": self.run_config}
+                "run_config": self.run_config, "lora": self.lora}
 
     def _rank_state(self) -> dict:
         state = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -142,7 +147,7 @@ class Checkpointer:
         return "next_row" in self.dataloader.state_dict()
 
     def _state_dict(self, step: int, run_id: str | None) -> dict:
-        return {"model": get_model_state_dict(self.model), "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+        return {"model": get_model_state_dict(self.model, options=self.model_options), "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
                 "train": to_bytes(self._train_state(step, run_id)), f"rank{self.rank}": to_bytes(self._rank_state())}
 
     # ---- room on the disk ----
@@ -157,7 +162,8 @@ class Checkpointer:
             t = t.to_local() if hasattr(t, "to_local") else t
             return t.numel() * t.element_size() + _RECORD_BYTES
 
-        model = sum(local_bytes(t) for t in self.model.state_dict().values())
+        model = sum(local_bytes(t) for t in self.model.state_dict(keep_vars=True).values()
+                    if self.lora is None or t.requires_grad)  # a LoRA run saves its trained parameters only
         return model + sum(2 * local_bytes(p) + 4 + _RECORD_BYTES for p in self.model.parameters() if p.requires_grad)
 
     def check_room(self, start_step: int, last_step: int, interval: int) -> None:
@@ -332,14 +338,18 @@ class Checkpointer:
         `restore_data` False (checkpoint.restart_data): the data loader keeps its start."""
         path = self.folder / f"step-{step}"
         metadata = read_metadata(path)
-        self._check_model_matches(path, metadata)
         train = from_bytes(self._load(path, {"train": b""})["train"], "train", path)
+        problem = lora_problem(train.get("lora"), self.lora)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} cannot resume this run: {problem}. Resume with the settings and "
+                                  "base it was saved with, or start in another job.dump_folder")
+        self._check_model_matches(path, metadata)
         if train.get("step") != step:  # COMPLETE agreed with the name (verification): its train state must too
             raise CheckpointError(f"checkpoint {path} holds the state of step {train.get('step')}, not {step}: a copy "
                                   "of another step's folder? Move it out of the checkpoint folder")
         train.setdefault("run_config", None)
         same_world = train["world_size"] == self.world
-        state = {"model": get_model_state_dict(self.model),
+        state = {"model": get_model_state_dict(self.model, options=self.model_options),
                  "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
         if same_world:
             state[f"rank{self.rank}"] = b""
@@ -351,7 +361,10 @@ class Checkpointer:
                 group["params"] = params
             logger.info("checkpoint %s holds no optimizer state for the MTP layers (saved with them frozen): their "
                         "AdamW state starts afresh here", path)
-        set_model_state_dict(self.model, state["model"])
+        # Not strict under LoRA: the frozen base is not in it (_check_model_matches held the keys to the trained ones)
+        set_model_state_dict(self.model, state["model"],
+                             options=StateDictOptions(ignore_frozen_params=self.lora is not None,
+                                                      strict=self.lora is None))
         # How the step runs (foreach or not) is this process's choice, for its device and layout; the checkpoint's
         # groups carry the flag of the run that saved it.
         foreach = [group.get("foreach") for group in self.optimizer.param_groups]
@@ -393,7 +406,8 @@ class Checkpointer:
 
     def _check_model_matches(self, path: Path, metadata: Metadata) -> None:
         saved = {key: tuple(md.size) for key, md in model_tensors(metadata).items()}
-        ours = {canonical_name(k): tuple(v.shape) for k, v in self.model.state_dict().items()}
+        ours = {canonical_name(k): tuple(v.shape)
+                for k, v in get_model_state_dict(self.model, options=self.model_options).items()}
         missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
         misshaped = [f"{k} {saved[k]} (model: {ours[k]})" for k in sorted(ours.keys() & saved.keys()) if saved[k] != ours[k]]
         problems = [f"{name}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} ({len(keys)} in all)"

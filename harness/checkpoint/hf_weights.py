@@ -11,7 +11,10 @@
   two gathered tensors (an MTP layer's experts) on the device, one HF tensor on the host. Rank 0 then writes
   config.json, generation_config.json and the tokenizer, the index last, and renames the folder into place. The
   offline converter (harness/convert.py) writes through the same functions from a DCP checkpoint, so both give the
-  same files.
+  same files. A LoRA model's adapted weights are written merged (lora_merge.py: W + s * B A, each summed in fp32 as
+  it is gathered, with its A and B): beside the held tensors, one weight's fp32 copy at a time.
+- `write_export_folder`: the folder machinery under write_hf_folder (temporary folder, the ranks' shares, agreed
+  failures, publishing), shared with the PEFT adapter export (peft_adapter.py).
 """
 
 from __future__ import annotations
@@ -40,15 +43,17 @@ from models.qwen35_moe.hf_checkpoint import (
     fresh_temporary_folder,
     restore_unpublished,
     plan_shards,
-    publish_hf_folder,
+    publish_folder,
     shard_names,
     temporary_folder,
+    write_hf_metadata,
     write_shard,
 )
 from models.qwen35_moe.init import canonical_name
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
 from .errors import CheckpointError, agreed
+from .lora_merge import is_adapter_key, merged_reads, model_merges
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +66,13 @@ def _rank_world() -> tuple[int, int]:
 def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     """Set the model's weights (sharded or not) from an HF checkpoint folder, one tensor at a time."""
     rank, world = _rank_world()
-    adapter = Qwen35MoeStateDictAdapter(args)
-    reader = HFCheckpointReader(path)
-    plan = adapter.plan_from_hf(reader.keys())
-    adapter.validate_shapes({key: _combined_shape(key, [reader.shape(h) for h in sources])
-                             for key, sources in plan.items()})
-    params = {canonical_name(name): p for name, p in model.named_parameters()}
+    _, read = hf_native_tensors(path, args)
+    params = {canonical_name(name): p for name, p in model.named_parameters()
+              if ".adapter." not in name}  # LoRA's adapters: not the base's (models/qwen35_moe/lora.py)
     for key, param in params.items():
         local = param.to_local() if isinstance(param, DTensor) else param
         if rank == 0:
-            full = adapter.combine(key, [reader.read(h) for h in plan[key]]).to(local.device, param.dtype)
+            full = read(key).to(local.device, param.dtype)
         else:
             full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
         if isinstance(param, DTensor):  # rank 0's tensor, scattered: each rank receives its own shard
@@ -79,6 +81,19 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
             dist.broadcast(full, src=0)
         local.copy_(full)
     logger.info("initialised weights from HF checkpoint %s", path)
+
+
+def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs) -> tuple[dict[str, tuple[int, ...]],
+                                                                    Callable[[str], torch.Tensor]]:
+    """The native tensors an HF checkpoint folder holds for a model of `args`: {key: shape}, from the file headers and
+    checked against the model's (ValueError naming every difference), and the reader of one of them, whole (per-expert
+    tensors fused, the fp32 contract's upcast: the state-dict adapter's `combine`)."""
+    adapter = Qwen35MoeStateDictAdapter(args)
+    reader = HFCheckpointReader(path)
+    plan = adapter.plan_from_hf(reader.keys())
+    shapes = {key: _combined_shape(key, [reader.shape(h) for h in sources]) for key, sources in plan.items()}
+    adapter.validate_shapes(shapes)
+    return shapes, lambda key: adapter.combine(key, [reader.read(h) for h in plan[key]])
 
 
 def _combined_shape(key: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -125,9 +140,21 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
     that is not an export of ours is never replaced. Everything is written into `<folder>.tmp` and renamed into
     place at the end: a write the file system refuses (a full disk) on any rank raises CheckpointError on every
     rank, the temporary folder is removed and `folder` stays as it was."""
+    shards = plan_shards(specs, max_shard_bytes)
+    files = {name: {k: specs[k] for k in keys} for name, keys in zip(shard_names(len(shards)), shards)}
+    write_export_folder(folder, files, fetch,
+                        lambda tmp: write_hf_metadata(tmp, args, dtype, shards, specs, extra_files), source)
+
+
+def write_export_folder(folder: str | Path, files: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]],
+                        fetch: Callable[[list[str], bool], Iterable[tuple[str, torch.Tensor | None]]],
+                        finish: Callable[[Path], None], source: str | Path | None = None) -> None:
+    """write_hf_folder for any export folder (the PEFT adapter's too): `files`, each safetensors file's name and the
+    export dtype and shape of its keys, file i written by rank i % W with `fetch` as above; then rank 0's
+    `finish(tmp)` writes the other files into the temporary folder, which is published, with the same checks and
+    the same failures as write_hf_folder's."""
     check_hf_export_folder(folder, source)
     rank, world = _rank_world()
-    shards = plan_shards(specs, max_shard_bytes)
     tmp = temporary_folder(folder)
 
     def unwritable(path: Path, e: OSError) -> str:
@@ -143,7 +170,7 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
         except OSError as e:
             error, tmp_is_ours = unwritable(tmp, e), not isinstance(e, ExportFolderRefused)
     try:
-        error = _write_and_publish(folder, args, dtype, specs, fetch, extra_files, shards, tmp, error, unwritable)
+        error = _write_and_publish(folder, files, fetch, finish, tmp, error, unwritable)
     except KeyboardInterrupt:  # a second Ctrl-C: no partial folder is left, and the earlier export stays in place
         if rank == 0 and tmp_is_ours:
             restore_unpublished(folder)
@@ -154,16 +181,16 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
         raise CheckpointError(error, every_rank=True)
 
 
-def _write_and_publish(folder, args, dtype, specs, fetch, extra_files, shards, tmp: Path, error: str | None,
-                       unwritable) -> str | None:
-    """write_hf_folder's shards, then rank 0's publishing; the error every rank agrees on (None: written)."""
+def _write_and_publish(folder, files, fetch, finish, tmp: Path, error: str | None, unwritable) -> str | None:
+    """write_export_folder's files, then rank 0's finishing and publishing; the error every rank agrees on (None:
+    written)."""
     rank, world = _rank_world()
     if agreed(error) is None:
-        for i, (name, keys) in enumerate(zip(shard_names(len(shards)), shards)):
-            tensors = fetch(sorted(keys), i % world == rank)
+        for i, (name, specs) in enumerate(files.items()):
+            tensors = fetch(sorted(specs), i % world == rank)
             if i % world == rank and error is None:  # after a failed write, this rank only takes part (below)
                 try:
-                    write_shard(tmp / name, {k: specs[k] for k in keys}, tensors)
+                    write_shard(tmp / name, specs, tensors)
                 except OSError as e:
                     error = unwritable(tmp / name, e)
             for _ in tensors:  # the rest, where this rank is not the owner or its write failed: every rank takes
@@ -171,7 +198,8 @@ def _write_and_publish(folder, args, dtype, specs, fetch, extra_files, shards, t
     error = agreed(error)
     if error is None and rank == 0:
         try:
-            publish_hf_folder(tmp, folder, args, dtype, shards, specs, extra_files)
+            finish(tmp)
+            publish_folder(tmp, folder)
         except OSError as e:
             error = unwritable(tmp, e)
     return agreed(error)
@@ -182,7 +210,10 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
     """Write the (possibly sharded) model as a Hugging Face folder, every rank writing its share of the shards.
 
     With `tokenizer` (the one the run trained with), the folder also holds its tokenizer files, config.json
-    and generation_config.json carry its BOS / EOS ids, so `AutoTokenizer` and `generate` work on it as it is."""
+    and generation_config.json carry its BOS / EOS ids, so `AutoTokenizer` and `generate` work on it as it is.
+    A model with LoRA adapters is written merged: each adapted weight as W + s * B A (lora_merge.py), in the same
+    layout, names and dtypes as a plain model's; the adapters themselves are not written (peft_adapter.py writes
+    them as PEFT loads them)."""
     started = time.perf_counter()
     state = {canonical_name(k): v for k, v in model.state_dict().items()}
 
@@ -190,8 +221,12 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
         tensor = state[key]
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
 
-    tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), {k: tuple(v.shape) for k, v in state.items()}, dtype,
-                            gathered)
+    read, merges = gathered, model_merges(model, state)
+    if merges:
+        read = merged_reads(gathered, merges, dtype)
+        logger.info("LoRA: %d adapted weights written merged (W + s * B A, summed in fp32)", len(merges))
+    shapes = {k: tuple(v.shape) for k, v in state.items() if not is_adapter_key(k)}
+    tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), shapes, dtype, read)
     args, extra_files = with_tokenizer(args, tokenizer)
     write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes)
     logger.info("exported Hugging Face checkpoint to %s in %.1f s", os.path.abspath(folder),

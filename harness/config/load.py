@@ -107,7 +107,8 @@ def _expected(hint) -> str:
     if _is_optional(hint):
         return "a number or none"
     if get_origin(hint) is list:
-        return "a list of numbers (e.g. 0.9,0.95)"
+        return "a list of names (e.g. q_proj,experts)" if get_args(hint)[0] is str else \
+            "a list of numbers (e.g. 0.9,0.95)"
     return {bool: "a bool (true/false)", int: "an integer", float: "a number", str: "a string"}[hint]
 
 
@@ -125,7 +126,7 @@ def _coerce(value: Any, hint, from_cli: bool) -> Any:
         if from_cli:
             value = [v for v in value.strip().strip("[]").split(",") if v.strip()]
         if isinstance(value, list):
-            return [_coerce(v, float, from_cli) for v in value]
+            return [_coerce(v.strip() if from_cli else v, get_args(hint)[0], from_cli) for v in value]
     elif hint is bool:
         if isinstance(value, bool):
             return value

@@ -210,6 +210,34 @@ class Debug:
     moe_force_load_balance: bool = False
 
 
+# The modules LoRA can adapt, by their last name (models/qwen35_moe/lora.py TARGETS / DEFAULT_TARGETS, which a test
+# holds equal to these): the gated attention's, Gated DeltaNet's, the shared expert's projections, its gate, the
+# routed experts, the router, the MTP layer's input projection.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                "out_proj", "shared_expert", "shared_expert_gate", "router", "fc", "experts")
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                        "out_proj", "shared_expert", "experts")
+
+
+@dataclass
+class Lora:
+    # LoRA fine-tuning (models/qwen35_moe/lora.py): the model's weights frozen (held in mixed_precision_param on GPU:
+    # no gradient, no optimizer state, no fp32 copy), a trained low-rank update s * B A (s = alpha / rank) beside each
+    # targeted projection, one per routed expert for "experts". Checkpoints hold only the updates and a digest of the
+    # base; the end-of-run export writes the merged model to hf/ and a PEFT adapter to hf-adapter/.
+    enable: bool = False
+    rank: int = 16  # a multiple of 8 (the routed experts' grouped GEMMs need 16-byte rows)
+    alpha: float = 32.0
+    dropout: float = 0.0  # on each adapter's input
+    # Any of: q_proj k_proj v_proj o_proj (gated attention), in_proj_qkv in_proj_z in_proj_a in_proj_b out_proj
+    # (Gated DeltaNet), shared_expert, shared_expert_gate, experts (routed, per expert), router, fc (MTP). Never the
+    # embedding or the lm_head.
+    targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    # The MTP layers: "frozen" (carried from the initial weights to the export, not run) or "lora" (adapted like the
+    # main layers and trained with weight training.mtp_loss_coef)
+    mtp: Literal["frozen", "lora"] = "frozen"
+
+
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
@@ -225,6 +253,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
+    lora: Lora = field(default_factory=Lora)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

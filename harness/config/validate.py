@@ -22,7 +22,7 @@ from parallel.parallel_dims import ParallelDims
 
 from .errors import ConfigError
 from .run_requirements import run_requirement_problems
-from .schema import ALL_KEYS, JobConfig, get_value
+from .schema import ALL_KEYS, LORA_TARGETS, JobConfig, get_value
 
 _DEGREE_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
                 "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree")
@@ -66,6 +66,10 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.interval": (_positive, "positive"),
     "checkpoint.keep_latest_k": (_at_least(0), ">= 0 (0 keeps all)"),
     "checkpoint.load_step": (_at_least(-1), "a step or -1 (the latest)"),
+    "lora.rank": (lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
+    "lora.alpha": (_positive, "positive"),
+    "lora.dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "lora.targets": (lambda v: v and set(v) <= set(LORA_TARGETS), f"a non-empty list of {', '.join(LORA_TARGETS)}"),
 }
 
 
@@ -144,6 +148,10 @@ def _between_keys_problems(cfg: JobConfig, unusable: frozenset[str]) -> list[str
             problems.append(f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
                             f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps "
                             f"or decay_ratio")
+    lora = cfg.lora
+    if lora.enable and lora.mtp == "lora" and cfg.training.mtp_loss_coef == 0 \
+            and "training.mtp_loss_coef" not in unusable:
+        problems.append("lora.mtp = \"lora\" trains the MTP layers' adapters, which needs training.mtp_loss_coef > 0")
     p = cfg.profiling
     if (p.enable_profiling or p.enable_memory_snapshot) and "profiling.profile_freq" not in unusable \
             and p.profile_freq < 2:

@@ -168,3 +168,18 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             delta = adapter.delta()
             merged[f"{prefix}weight"] = module.weight.to(delta.dtype) + delta
     return merged
+
+
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold every frozen weight of two or more dimensions in `dtype` (the compute dtype: a frozen base needs no fp32
+    master copy; vectors, the fp32 contract's among them, keep theirs); shared parameters (tied embeddings) stay
+    shared. Returns how many parameters changed."""
+    converted: dict[nn.Parameter, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param in converted:
+                setattr(module, name, converted[param])
+            elif not param.requires_grad and param.ndim >= 2 and param.dtype != dtype:
+                converted[param] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                setattr(module, name, converted[param])
+    return len(converted)
