@@ -21,6 +21,10 @@ from models.qwen35_moe.moe import TopKRouter
 from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, layout_trainer
 
 GLOBAL_BATCH = 4
+# LoRA on every target the model has, the router's among them (the run's "--lora" flag)
+LORA = ("--lora.enable", "true", "--lora.rank", "8",
+        "--lora.targets", "q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,"
+        "shared_expert,shared_expert_gate,router,experts")
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -29,7 +33,18 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def full_grads(model) -> dict[str, torch.Tensor]:
     """{canonical name: the whole gradient} of every parameter, gathered from its shards."""
-    return {canonical_name(name): full(p.grad) for name, p in model.named_parameters()}
+    return {canonical_name(name): full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+
+
+@torch.no_grad()
+def random_lora_b(model) -> None:
+    """Every LoRA B away from its zero init (the same values in every layout, drawn whole from the parameter's
+    name): with B zero the adapters change nothing and A's gradients are zero."""
+    for name, p in model.named_parameters():
+        if canonical_name(name).endswith(("lora_B", "gate_up_B", "down_B")):
+            g = torch.Generator().manual_seed(sum(map(ord, canonical_name(name))))
+            whole = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05
+            model.sharding.local(p).copy_(model.sharding.local_part(p, whole))
 
 
 def documents_across_chunk_edges(batch: dict) -> dict:
@@ -75,6 +90,8 @@ def step(folder: str, *overrides: str) -> None:
     overrides = overrides[1:] if skewed else overrides
     one_row_microbatches = bool(overrides) and overrides[0] == "--one-row-microbatches"
     overrides = overrides[1:] if one_row_microbatches else overrides
+    lora = bool(overrides) and overrides[0] == "--lora"
+    overrides = (*LORA, *overrides[1:]) if lora else overrides
     # float64: the layouts differ only in summation order, which float64 keeps near 1e-16, so any difference
     # beyond that is a bug. (In fp32 the GDN decay parameters' gradients, sums of nearly cancelling terms,
     # vary by up to 1e-3 relative between any two summation orders.)
@@ -91,6 +108,8 @@ def _step(folder: str, one_row_microbatches: bool, overrides: tuple[str, ...]) -
         folder, overrides, GLOBAL_BATCH,
         "--training.aux_loss_coef", "0.1",  # on, and large enough to matter in the router gradients
         "--validation.enable", "true", "--validation.steps", "2", "--validation.dataset_path", CORPUS)
+    if trainer.cfg.lora.enable:
+        random_lora_b(trainer.model)
     initial = {canonical_name(name): full(p) for name, p in trainer.model.named_parameters()}
     validation = trainer.validator.validate(trainer.model)
     batch = next(iter(trainer.dataloader))  # DP rank r of W: global rows r, r + W, ... of the same 4 rows

@@ -73,6 +73,12 @@ LAYOUT_RUNS = {name: register(Run(f"fsdp/{name}", nproc, STEP, tuple(layout)))
                for name, (nproc, layout) in LAYOUTS.items()}
 EP_RUNS = {name: register(Run(f"fsdp/{name}", nproc, STEP, (SKEWED, *layout)))
            for name, (nproc, layout) in EP_LAYOUTS.items()}
+# LoRA: the frozen base sharded as the trained weights are, the adapters of the routed experts split by EP
+SINGLE_LORA = register(Run("fsdp/single_lora", 1, STEP, ("--lora",)))
+LORA_LAYOUTS = {"fsdp2": (2, []), "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+                "ep2": (2, [EP, "2"]), "ep2_fsdp2": (4, [EP, "2"])}
+LORA_RUNS = {name: register(Run(f"fsdp/lora_{name}", nproc, STEP, ("--lora", *layout)))
+             for name, (nproc, layout) in LORA_LAYOUTS.items()}
 TIED_FSDP2 = register(Run("fsdp/tied_fsdp2", 2, STEP, TIED, write_tied_uneven_config))
 ONE_ROW_MICROBATCHES_FSDP2 = register(Run("fsdp/one_row_microbatches_fsdp2", 2, STEP,
                                           ("--one-row-microbatches", *NO_BALANCE_LOSS)))
@@ -124,6 +130,17 @@ def assert_same_step(got: dict, ref: dict) -> None:
     # The parameters FSDP leaves whole on every rank (parallel/replicated_params.py): after the step every
     # rank's copy and gradient are bitwise the same (averaged gradients, the same update).
     assert ref["replica_spread"] is None and got["replica_spread"] == 0.0
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_matches_single_process(launches, name):
+    """Only the adapters have gradients, the same in every layout; the routed experts' ones included (EP splits
+    them with the experts, FSDP shards them within the EP group)."""
+    ref, got = result(launches, SINGLE_LORA), result(launches, LORA_RUNS[name])
+    assert ref["grads"] and all(".adapter." in key for key in ref["grads"])
+    assert got["grads"].keys() == ref["grads"].keys()
+    assert ref["grads"]["layers.0.mlp.experts.adapter.gate_up_A"].norm() > 0  # B random: A learns too
+    assert_same_step(got, ref)
 
 
 def test_tied_embeddings_on_an_uneven_vocabulary_match_single_process(launches):
