@@ -55,21 +55,25 @@ def _block_matmul_params(args: Qwen35MoeArgs) -> tuple[int, int, int]:
     return attn, gdn, moe
 
 
-def training_flops_per_token(args: Qwen35MoeArgs, attended: float, mtp: bool = False) -> float:
+def training_flops_per_token(args: Qwen35MoeArgs, attended: float, mtp: bool = False,
+                             adapter_params: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token. `attended`: the mean number of keys a query attends to,
     causal and within its document (`mean_attended_keys`): attention is counted by the rows' real documents,
     not as if every query saw the whole row. `mtp`: the MTP layers are trained too (each: its fc, a full-attention
-    MoE block and the shared lm_head once more)."""
+    MoE block and the shared lm_head once more). `adapter_params`: a LoRA run's adapter parameters one token
+    touches (models/qwen35_moe/lora.py `active_adapter_params`): the frozen weights then cost their forward and
+    the backward to their inputs, 4 FLOPs a parameter, not 6 (no weight gradient), the adapters all 6."""
+    per_param = 6 if adapter_params is None else 4
     attention = 12 * args.num_attention_heads * args.head_dim * attended
     dk, dv, c = args.linear_key_head_dim, args.linear_value_head_dim, GDN_CHUNK_SIZE
     # Chunked GDN forward per token and value head: 2 * (C * (3 Dk + 2 Dv) + 3 Dk Dv); x3 for training.
     gdn = 3 * 2 * args.linear_num_value_heads * (c * (3 * dk + 2 * dv) + 3 * dk * dv)
     mixers = args.num_layers_of(FULL_ATTENTION) * attention + args.num_layers_of(LINEAR_ATTENTION) * gdn
-    total = 6 * active_matmul_params(args) + mixers
+    total = per_param * active_matmul_params(args) + mixers + 6 * (adapter_params or 0)
     if mtp:
         h = args.hidden_size
         attn, _, moe = _block_matmul_params(args)
-        total += args.mtp_num_hidden_layers * (6 * (2 * h * h + attn + moe + h * args.vocab_size) + attention)
+        total += args.mtp_num_hidden_layers * (per_param * (2 * h * h + attn + moe + h * args.vocab_size) + attention)
     return total
 
 

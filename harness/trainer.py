@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from models.qwen35_moe.lora import active_adapter_params
 from parallel.expert_parallel import scale_expert_gradients
 from parallel.grad_norm import clip_grad_norm_
 from parallel.one_device_precision import gradient_holders
@@ -130,8 +131,10 @@ class Trainer:
                                      job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None)
         self.clock = DeviceClock(self.device)
         tokens_per_step = t.local_batch_size * t.seq_len * self.layout.grad_accum_steps // self.dims.cp
+        adapters = (active_adapter_params(self.model, self.model_args.num_experts_per_tok, self.train_mtp)
+                    if cfg.lora.enable else None)
         self.steps = StepLog(self.metrics, self.clock, self.device, tokens_per_step,  # harness/step_metrics.py
-                             lambda keys: training_flops_per_token(self.model_args, keys, self.train_mtp),
+                             lambda keys: training_flops_per_token(self.model_args, keys, self.train_mtp, adapters),
                              peak_flops(self.device))
         self.reported = ("loss", "aux_loss", "grad_norm", "expert_load", *(("mtp_loss",) if self.train_mtp else ()),
                          *(("ep_rank_load",) if self.dims.ep > 1 else ()))

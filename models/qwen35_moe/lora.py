@@ -183,3 +183,15 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
                 converted[param] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
                 setattr(module, name, converted[param])
     return len(converted)
+
+
+def active_adapter_params(model: nn.Module, top_k: int, mtp: bool) -> int:
+    """Adapter parameters one token touches (its top-k experts' of the routed experts' adapters; the MTP layers'
+    only with `mtp`, where they run): the adapters' share of a LoRA run's FLOPs (harness/metrics.py)."""
+    total = 0
+    for name, module in adapted_modules(model):
+        if canonical_name(name).startswith("mtp.") and not mtp:
+            continue
+        params = sum(p.numel() for p in module.adapter.parameters())
+        total += params * top_k // module.num_experts if isinstance(module.adapter, ExpertLowRank) else params
+    return total

@@ -408,6 +408,7 @@ OUT_OF_RANGE = {  # key: values of the right type that no run can use, each name
     "lr_scheduler.min_lr_factor": ["1.5", "-0.1"],
     "metrics.log_freq": ["0"], "checkpoint.interval": ["0"], "checkpoint.keep_latest_k": ["-1"],
     "checkpoint.load_step": ["-2"], "model.mtp_num_hidden_layers": ["-2"],
+    "lora.rank": ["0", "12"], "lora.alpha": ["0"], "lora.dropout": ["1", "-0.1"],
 }
 WORLD_SIZE_KEYS = {"training.global_batch_size", "parallelism.data_parallel_replicate_degree",
                    "parallelism.data_parallel_shard_degree", "parallelism.context_parallel_degree",
