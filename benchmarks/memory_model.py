@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_model import bench_args  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor  # noqa: E402
+from models.qwen35_moe.lora import LoraArgs, add_adapters  # noqa: E402
 
 GIB = 1024**3
 WORKING_BYTES = 367_000  # per token: (34.7 - 23.0) GiB / 32k tokens, less the 4 saved block inputs (16 KiB)
@@ -58,6 +59,15 @@ class Setup:
     seq: int = 4096
     local_batch: int = 1
     ac: str = "full"
+    lora_rank: int = 0  # LoRA on lora.py's default targets; 0: a full fine-tune
+
+
+def adapter_count(args: Qwen35MoeArgs, rank: int) -> int:
+    """Parameters of LoRA's adapters of `rank` on the default targets (the MTP layers' frozen)."""
+    with torch.device("meta"):
+        model = Qwen35MoeModel(args)
+        add_adapters(model, LoraArgs(rank=rank, alpha=2.0 * rank))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def parameter_counts(args: Qwen35MoeArgs) -> dict[str, int]:
@@ -84,6 +94,9 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     block_dense = (counts["total"] - counts["experts"] - counts["root"]) / layers
     block = block_dense + counts["experts"] / layers / s.ep
     gathered = GATHER_BYTES * block
+    if s.lora_rank:  # the base frozen in bf16 (2 B), the adapters as any trained parameter (16 B)
+        states = (2 * counts["total"] + 16 * adapter_count(args, s.lora_rank)) / shards
+        gathered = 0 if shards == 1 else gathered  # one GPU: no FSDP, nothing gathered
     tokens = s.seq * s.local_batch // s.cp
     gdn_layers = sum(t == "linear_attention" for t in args.layer_types)
     if s.ac == "none":
@@ -134,6 +147,8 @@ RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
     ("8 x 141 GB", Setup(gpus=8, ep=8, cp=2, seq=65536)),
     ("8 x 141 GB", Setup(gpus=8, ep=8, cp=4, seq=131072)),
     ("8 x 141 GB", Setup(gpus=8, ep=8, ac="none", seq=4096)),
+    ("1 x 141 GB", Setup(gpus=1, lora_rank=16)),  # LoRA, train_configs/qwen35_moe_lora.toml
+    ("1 x 141 GB", Setup(gpus=1, lora_rank=16, local_batch=4)),
 ]
 
 
