@@ -137,3 +137,22 @@ def test_a_scaled_sum_with_gradients_computed_ahead_equals_the_whole_logits_in_f
         (loss * 2).backward()
     with pytest.raises(ValueError, match="fp32 0-dim"):
         linear_cross_entropy_sum(h, weight, labels, chunk, scale=scale.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_frozen_head_gets_no_gradient_and_its_input_the_plain_one_in_float64(scaled):
+    """LoRA's frozen lm_head: no weight gradient is computed or returned, h's equals autograd's through the logits."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, generator=g)  # requires_grad False
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[::5] = -100
+    scale = torch.tensor(0.25) if scaled else None
+    total = linear_cross_entropy_sum(h, weight, labels, chunk_tokens=8, scale=scale)
+    total.backward()
+    h_ref = h.detach().clone().requires_grad_(True)
+    ref = F.cross_entropy(h_ref @ weight.t(), labels, ignore_index=-100, reduction="sum") * (0.25 if scaled else 1)
+    ref.backward()
+    torch.testing.assert_close(total, ref.to(total.dtype), rtol=1e-12, atol=0)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-12, atol=1e-15)
+    assert weight.grad is None
