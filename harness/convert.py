@@ -1,6 +1,7 @@
 """Offline DCP -> Hugging Face conversion of one checkpoint step, in one CPU process (no torchrun, no GPU).
 
     python -m harness.convert <dump_folder>/checkpoint/step-N <hf_out_dir> [--dtype bfloat16] [--max-shard-gib 5]
+                              [--base <hf_folder>]
 
 Reads the model weights only (never the optimizer state), one tensor at a time, and writes each to its output
 shard as it comes: memory stays at a few times the largest tensor (DCP reads a tensor's bytes, then builds it; an
@@ -16,12 +17,22 @@ folder that looks complete. An existing <hf_out_dir> is replaced only if it is e
 holds qwen35_titan_export.json), never when it holds the step (the run's folder): anything else is refused, as is a
 <hf_out_dir>.tmp or .old beside it that is not a leftover of an export. Reading a checkpoint unpickles DCP's .metadata
 (torch's format): a checkpoint from someone else is code; convert only your own or ones you trust.
+
+A LoRA run's step holds its adapters only (its train state names their settings and the base they were trained on,
+with a digest of it: harness/checkpoint/lora_base.py). It converts into the base with the adapters merged (each
+adapted weight W + s * B A, summed in fp32: the end-of-run export's files) at <hf_out_dir>, and into a PEFT adapter
+folder at <hf_out_dir>-adapter (harness/checkpoint/peft_adapter.py). The base is read, one tensor at a time, from the
+HF folder the run loaded it from, or from --base (a copy of it moved elsewhere); a base whose digest is not the saved
+one is refused (exit 2). A base the run drew from the seed is drawn again here, on the CPU (the whole model in
+memory: debug sizes): a run drawn on a GPU drew other numbers and is refused by the digest only if it records the
+device.
 Exit codes: 0 done, 2 bad input (one `error:` line).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -33,13 +44,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, Qwen35MoeStateDictAdapter
+from models.qwen35_moe.lora import LoraArgs
 
 from .checkpoint.checkpointer import model_tensors
 from .checkpoint.errors import CheckpointError
 from .checkpoint.step_folders import step_folders
-from .checkpoint.hf_weights import ExportTensors, check_hf_export_folder, write_hf_folder
+from .checkpoint.hf_weights import ExportTensors, check_hf_export_folder, hf_native_tensors, write_hf_folder
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
+from .checkpoint.lora_merge import adapter_merges, expected_adapter_shapes, is_adapter_key, merged_reads
+from .checkpoint.peft_adapter import adapter_folder, write_peft_adapter
+from .checkpoint.plain_state import from_bytes
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,13 +64,24 @@ class ConvertError(ValueError):
     """Bad input: the message names the folder or file at fault."""
 
 
-def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gib: float = 5.0) -> Path:
+def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gib: float = 5.0,
+            base: str | None = None) -> Path:
+    """Write the step's HF folder at `out_dir` (and, for a LoRA step, its PEFT adapter beside it); `base`: the HF
+    folder of a LoRA run's base, if not where the run loaded it from."""
     step_dir = Path(step_dir)
     meta_dir = step_dir / "hf"
     if not (step_dir / ".metadata").is_file():
         hint = " (it holds step-N folders: name one of them)" if any(step_dir.glob("step-*")) else ""
         raise ConvertError(f"{step_dir} is not a DCP checkpoint step folder: it has no .metadata{hint}")
-    check_hf_export_folder(out_dir, source=step_dir)  # before the step's files are hashed: a refusal costs nothing
+    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    saved = model_tensors(metadata)
+    lora = bool(saved) and all(map(is_adapter_key, saved))  # a LoRA run saves its adapters only
+    if base is not None and not lora:
+        raise ConvertError(f"--base is for a LoRA run's checkpoint; {step_dir} holds a whole model's weights")
+    # before the step's files are hashed: a refusal costs nothing
+    check_hf_export_folder(out_dir, source=step_dir)
+    if lora:
+        check_hf_export_folder(adapter_folder(out_dir), source=step_dir)
     verify(step_dir)
     if not (meta_dir / "config.json").is_file():
         raise ConvertError(f"{meta_dir / 'config.json'} is missing: the trainer writes it beside every checkpoint; "
@@ -63,20 +89,16 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     config = json.loads((meta_dir / "config.json").read_text())
     args = Qwen35MoeArgs.from_hf_config(config)  # bos / eos ids included
     export_dtype = DTYPES[dtype or config.get("dtype", "bfloat16")]
-    adapter = Qwen35MoeStateDictAdapter(args)
-
-    saved = model_tensors(FileSystemReader(str(step_dir)).read_metadata())
 
     def read(key: str) -> torch.Tensor:  # one native tensor: DCP reads only it (never the optimizer state)
         wanted = {f"model.{key}": torch.empty(tuple(saved[key].size), dtype=saved[key].properties.dtype)}
-        try:
-            dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
-        except (Exception, CheckpointException) as e:  # an unverified (old) step's damage; DCP's wrapper is a
-            cause = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e  # BaseException
-            raise ConvertError(f"cannot read {key} from {step_dir}: {str(cause).strip().splitlines()[0]}")
-        return wanted.popitem()[1]
+        return _load(step_dir, wanted, key)[f"model.{key}"]
 
-    tensors = ExportTensors(adapter, {k: tuple(md.size) for k, md in saved.items()}, export_dtype, read)
+    shapes = {k: tuple(md.size) for k, md in saved.items()}
+    read_merged = read
+    if lora:
+        lora_args, base, shapes, read_merged = _lora_sources(step_dir, args, shapes, read, base, export_dtype)
+    tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), shapes, export_dtype, read_merged)
 
     def extra_files(tmp: Path) -> None:  # tokenizer and generation config, as the run exported them
         for path in meta_dir.iterdir():
@@ -85,7 +107,81 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
 
     write_hf_folder(out_dir, args, export_dtype, tensors.specs, tensors.fetch, extra_files,
                     max_shard_bytes=int(max_shard_gib * 1024**3), source=step_dir)
+    if lora:
+        adapters = {k: tuple(md.size) for k, md in saved.items()}
+        for note in write_peft_adapter(adapter_folder(out_dir), lora_args, adapters, read, base or None, step_dir):
+            print(note)
     return Path(out_dir)
+
+
+def _load(step_dir: Path, wanted: dict, what: str) -> dict:
+    """dcp.load of `wanted` from the step, its failure one ConvertError naming `what`."""
+    try:
+        dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
+    except (Exception, CheckpointException) as e:  # an unverified (old) step's damage; DCP's wrapper is a
+        cause = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e  # BaseException
+        raise ConvertError(f"cannot read {what} from {step_dir}: {str(cause).strip().splitlines()[0]}")
+    return wanted
+
+
+def _lora_sources(step_dir: Path, args: Qwen35MoeArgs, adapters: dict[str, tuple[int, ...]], read_adapter,
+                  base: str | None, dtype: torch.dtype):
+    """A LoRA step's settings, its base's folder ("": drawn from the seed), and the native shapes and the reader of
+    the merged model: the base's tensors, the adapted ones merged with the step's adapters (read by `read_adapter`)."""
+    lora, record, seed = _lora_run(step_dir, args, adapters)
+    source = record["base"]["source"] if base is None else base
+    _check_base(step_dir, record["base"], source, seed, args)
+    if source:
+        try:
+            shapes, base_read = hf_native_tensors(source, args)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConvertError(f"the base {source}: {e}") from None
+    else:
+        with torch.device("meta"):
+            model = Qwen35MoeModel(args)
+        model.to_empty(device="cpu")
+        model.init_weights(seed)  # as the run drew it (on the CPU; models/qwen35_moe/init.py)
+        state = model.state_dict()
+        shapes, base_read = {k: tuple(v.shape) for k, v in state.items()}, state.__getitem__
+    merges = adapter_merges(adapters, lambda _: lora.scale)
+    read = merged_reads(lambda key: read_adapter(key) if is_adapter_key(key) else base_read(key), merges, dtype)
+    return lora, source, shapes, read
+
+
+def _lora_run(step_dir: Path, args: Qwen35MoeArgs, adapters: dict[str, tuple[int, ...]]):
+    """The LoRA settings, the train state's "lora" record and the run's seed (None: not recorded) of a step holding
+    the adapters `adapters`; ConvertError if its train state names no LoRA run or other adapters."""
+    train = from_bytes(_load(step_dir, {"train": b""}, "the train state")["train"], "train", step_dir)
+    record = train.get("lora")
+    if not record:
+        raise ConvertError(f"{step_dir} holds LoRA adapters only, but its train state names no LoRA run (no 'lora' "
+                           "entry): was it saved by another program?")
+    lora = LoraArgs(**{**record["args"], "targets": tuple(record["args"]["targets"])})
+    expected = expected_adapter_shapes(args, lora)
+    if adapters != expected:
+        differ = sorted(adapters.keys() ^ expected.keys()) or sorted(k for k in adapters if adapters[k] != expected[k])
+        raise ConvertError(f"{step_dir}'s adapters are not those its train state describes (rank {lora.rank} on "
+                           f"{', '.join(lora.targets)}): {', '.join(differ[:4])} ({len(differ)} in all)")
+    seed = ((train.get("run_config") or {}).get("training") or {}).get("seed")
+    return lora, record, seed
+
+
+def _check_base(step_dir: Path, saved: dict, source: str, seed: int | None, args: Qwen35MoeArgs) -> None:
+    """ConvertError unless the base `source` ("": drawn from `seed`) is there and has the digest the run saved."""
+    from .checkpoint.lora_base import base_digest  # the digest the run saved (lora_base.py)
+
+    if not source and seed is None:
+        raise ConvertError(f"{step_dir}'s base was drawn from the seed, and its train state holds no run config to "
+                           "read the seed from: pass --base with the base's HF folder")
+    if source and not Path(source).exists():
+        raise ConvertError(f"{step_dir}'s adapters were trained on the base {source}, which is not there: pass --base "
+                           "with that base's HF folder")
+    # The token ids are no part of the weights: the step's config.json has the tokenizer's, the run's model none.
+    ours = base_digest(source, seed, dataclasses.replace(args, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    if ours != saved["digest"]:
+        raise ConvertError(f"{step_dir}'s adapters were trained on the base {saved['source'] or 'drawn from the seed'} "
+                           f"(digest {saved['digest']}); the base {source or 'drawn from the seed'} has digest {ours}: "
+                           "pass --base with the base they were trained on")
 
 
 def verify(step_dir: Path) -> None:
@@ -117,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="export dtype (default: the run's checkpoint.export_dtype)")
     parser.add_argument("--max-shard-gib", type=float, default=5.0, help="largest output shard (default 5)")
+    parser.add_argument("--base", default=None, help="a LoRA run's checkpoint: the HF folder of the base its adapters "
+                        "were trained on (default: where the run loaded it from; its digest must be the saved one)")
     args = parser.parse_args(argv)
     try:
-        out = convert(args.step_dir, args.out_dir, args.dtype, args.max_shard_gib)
+        out = convert(args.step_dir, args.out_dir, args.dtype, args.max_shard_gib, args.base)
     except (ConvertError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

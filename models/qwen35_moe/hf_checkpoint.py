@@ -242,14 +242,16 @@ def write_shard(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]
 def publish_hf_folder(tmp: Path, folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
                       shards: list[list[str]], specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                       extra_files: Callable[[Path], None] | None = None) -> Path:
-    """Complete a temporary folder whose shards are written (config.json, the index last, `extra_files`),
-    make it readable by all, flush it and rename it into place. An existing folder is replaced only if it is an export
-    of this program or empty (`export_folder_refusal`, asked again here: the folder may have changed since the export
-    began); ExportFolderRefused otherwise, the temporary folder left for the caller to remove."""
-    refusal = export_folder_refusal(folder)
-    if refusal is not None:
-        raise ExportFolderRefused(refusal)
-    folder = Path(folder).resolve()
+    """Complete a temporary folder whose shards are written (`write_hf_metadata`) and publish it (`publish_folder`)."""
+    write_hf_metadata(tmp, args, dtype, shards, specs, extra_files)
+    return publish_folder(tmp, folder)
+
+
+def write_hf_metadata(tmp: Path, args: Qwen35MoeArgs, dtype: torch.dtype, shards: list[list[str]],
+                      specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      extra_files: Callable[[Path], None] | None = None) -> None:
+    """What an HF folder holds beside its shards, into `tmp` once they are written: config.json, the index (last: it
+    names the shards) when there are several, then `extra_files(tmp)` (the tokenizer)."""
     dtype_name = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype_name), indent=2) + "\n")
     if len(shards) > 1:
@@ -259,6 +261,17 @@ def publish_hf_folder(tmp: Path, folder: str | Path, args: Qwen35MoeArgs, dtype:
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")  # after the shards: it names them
     if extra_files is not None:
         extra_files(tmp)
+
+
+def publish_folder(tmp: Path, folder: str | Path) -> Path:
+    """Make a complete temporary folder readable by all, flush it and rename it into place. An existing folder is
+    replaced only if it is an export of this program or empty (`export_folder_refusal`, asked again here: the folder
+    may have changed since the export began); ExportFolderRefused otherwise, the temporary folder left for the caller
+    to remove."""
+    refusal = export_folder_refusal(folder)
+    if refusal is not None:
+        raise ExportFolderRefused(refusal)
+    folder = Path(folder).resolve()
     _make_readable(tmp)
     _fsync_folder(tmp)
     backup = _set_aside_folder(folder)
