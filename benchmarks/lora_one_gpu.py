@@ -1,0 +1,102 @@
+"""LoRA fine-tuning of the full-size Qwen3.5-35B-A3B on one GPU, as train_configs/qwen35_moe_lora.toml runs it, from a
+folder shaped like the release (scripts/make_release_checkpoint.py writes one with random weights where the release
+cannot be downloaded): the time to load the base, the first step (compile), tokens/s and MFU after warm-up, the
+peak memory against benchmarks/memory_model.py's prediction, the checkpoint's size and save time, and the end-of-run
+export's time and size (the merged model, and the PEFT adapter).
+
+    python scripts/make_release_checkpoint.py /dev/shm/base --device cuda
+    python benchmarks/lora_one_gpu.py --base /dev/shm/base --work /dev/shm/lora [--delete-base-after-load]
+
+`--delete-base-after-load` removes the base folder once the first step has run (the base is in GPU memory by then):
+on a host whose memory file system holds the base or the export but not both. Trainer flags go after `--`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from memory_model import Setup, predict_gib  # noqa: E402
+from models.qwen35_moe import get_flavor  # noqa: E402
+
+
+def folder_gib(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1024**3
+
+
+def chat_rows(path: Path, count: int) -> Path:
+    """`count` short chat conversations (the debug corpus's tasks) as JSON lines."""
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_debug_chat.py"), "--train", str(count), "--val", "10",
+                    "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
+    return path / "train.jsonl"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", required=True, help="the release-shaped HF folder (weights, tokenizer)")
+    parser.add_argument("--work", required=True, help="dump folder of the run (its checkpoint and export)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--delete-base-after-load", action="store_true")
+    parser.add_argument("trainer_flags", nargs="*")
+    ns = parser.parse_args()
+    work, base = Path(ns.work), Path(ns.base)
+    data = chat_rows(work.parent / (work.name + "-data"), 20000)
+    argv = [sys.executable, "-m", "harness.train", "--config", str(REPO / "train_configs" / "qwen35_moe_lora.toml"),
+            "--model.tokenizer_path", str(base), "--checkpoint.initial_load_hf", str(base),
+            "--training.dataset_path", str(data), "--training.steps", str(ns.steps),
+            "--checkpoint.interval", str(ns.steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+            "--job.dump_folder", str(work), *ns.trainer_flags]
+    started = time.perf_counter()
+    marks: dict[str, float] = {}
+    lines = []
+    with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as run:
+        for line in run.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+            now = time.perf_counter() - started
+            if "model flavor" in line or "model 35B" in line or re.search(r"parameters \(", line):
+                marks.setdefault("built", now)  # the base loaded into the model
+            if re.search(r"step +1/", line):
+                marks.setdefault("first_step", now)
+                if ns.delete_base_after_load and base.exists():
+                    shutil.rmtree(base)
+                    print(f"bench: deleted {base} (the base is in GPU memory)", flush=True)
+    if run.returncode:
+        print(f"bench: the run failed (exit {run.returncode})")
+        return run.returncode
+    records = [json.loads(r) for r in (work / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and r["step"] > ns.warmup]
+    text = "".join(lines)
+    saved = re.findall(r"checkpoint step-\d+ saved to .* \(training held up ([\d.]+) s\)", text)
+    exported = re.findall(r"exported Hugging Face checkpoint to (\S+) in ([\d.]+) s", text)
+    rate = sorted(r["tokens_per_sec"] for r in steps)[len(steps) // 2] if steps else float("nan")
+    mfu = sorted(r.get("mfu") or 0 for r in steps)[len(steps) // 2] if steps else float("nan")
+    peak = max(r["max_memory_gib"] for r in records if "loss" in r)
+    predicted = predict_gib(get_flavor("35B-A3B"), Setup(gpus=1, lora_rank=16, local_batch=4))
+    print(f"bench: base loaded and model built {marks.get('built', float('nan')):.0f} s after start; first step done "
+          f"at {marks.get('first_step', float('nan')):.0f} s")
+    print(f"bench: {rate:,.0f} tokens/s (median of steps {ns.warmup + 1}-{ns.steps}), MFU {mfu:.1%}, peak "
+          f"{peak:.1f} GiB (memory model: {predicted:.1f} GiB)")
+    checkpoint = work / "checkpoint" / f"step-{ns.steps}"
+    if checkpoint.is_dir():
+        print(f"bench: checkpoint {folder_gib(checkpoint):.2f} GiB, save held training up {saved[-1] if saved else '?'} s")
+    for folder, seconds in exported:
+        print(f"bench: export {folder}: {folder_gib(Path(folder)):.1f} GiB in {seconds} s")
+    adapter = work / "hf-adapter"
+    if adapter.is_dir():
+        print(f"bench: PEFT adapter {adapter}: {folder_gib(adapter):.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
