@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -68,9 +67,10 @@ def main() -> int:
                 marks.setdefault("built", now)  # the base loaded into the model
             if re.search(r"step +1/", line):
                 marks.setdefault("first_step", now)
-                if ns.delete_base_after_load and base.exists():
-                    shutil.rmtree(base)
-                    print(f"bench: deleted {base} (the base is in GPU memory)", flush=True)
+                if ns.delete_base_after_load and any(base.glob("*.safetensors")):
+                    for shard in base.glob("*.safetensors"):  # the tokenizer stays: checkpoints and exports copy it
+                        shard.unlink()
+                    print(f"bench: deleted the weights of {base} (they are in GPU memory)", flush=True)
     if run.returncode:
         print(f"bench: the run failed (exit {run.returncode})")
         return run.returncode

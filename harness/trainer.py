@@ -26,6 +26,7 @@ from .batch import ModelInputs
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.step_folders import step_folders, verified_resume_step
 from .checkpoint.lora_base import lora_record
+from .checkpoint.peft_adapter import adapter_folder, export_peft_adapter
 from .checkpoint.hf_weights import check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data.chat import chat_options
@@ -126,6 +127,8 @@ class Trainer:
         self.run_id = self._claim_outputs(line, resumed=resume_step is not None)
         if cfg.checkpoint.export_hf_at_end:  # an export it may not write is refused now, not after the training
             check_hf_export_folder(self.export_folder)
+            if cfg.lora.enable:
+                check_hf_export_folder(adapter_folder(self.export_folder))
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, self.run_id, enabled=self.rank == 0,
                                      job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None)
@@ -291,7 +294,7 @@ class Trainer:
         if self.metrics.tb_dir is not None:
             outputs.append(os.path.relpath(self.metrics.tb_dir, folder) + "/")
         if cfg.checkpoint.export_hf_at_end:
-            outputs.append("hf/")
+            outputs += ["hf/", "hf-adapter/"] if cfg.lora.enable else ["hf/"]
         resumed = f" (resumed at step {self.first_step}, now {self.step})" if self.first_step else ""
         work = (f"{steps} step{'s' if steps != 1 else ''}{resumed}, {tokens:,} tokens in {time.perf_counter() - self.started:.0f} s, final loss "
                 f"{self.steps.last['loss']:.4f}" if steps else
@@ -313,6 +316,10 @@ class Trainer:
         self.exporting = True
         export_hf(self.model, self.model_args, self.export_folder, DTYPES[self.cfg.checkpoint.export_dtype],
                   tokenizer=self.tokenizer)
+        lora = lora_args(self.cfg)
+        if lora is not None:  # the merged model above; the adapters beside it, as PEFT loads them
+            export_peft_adapter(self.model, self.model_args, lora, adapter_folder(self.export_folder),
+                                base=self.cfg.checkpoint.initial_load_hf)
         self.exporting = False
 
     def what_is_saved(self) -> str:
