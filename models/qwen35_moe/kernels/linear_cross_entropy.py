@@ -145,10 +145,10 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
 
 
 def _chunked(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, want_grads: bool, vocab,
-             grad_scale: torch.Tensor | None = None, weight_grad: bool = True):
-    """The summed cross entropy of h's rows and, if want_grads, its gradients with respect to h and (unless not
-    `weight_grad`: a frozen head, LoRA's) the weight (fp32, at least; times grad_scale if given), chunk by chunk: each
-    chunk's logits' gradient is consumed at once by two GEMMs (one for a frozen head). Under a `vocab` shard the rows are first gathered from the shard group, and the loss and h's gradient
+             grad_scale: torch.Tensor | None = None):
+    """The summed cross entropy of h's rows and, if want_grads, its gradients with respect to h and the weight (fp32,
+    at least; times grad_scale if given), chunk by chunk: each chunk's logits' gradient is consumed at once by two
+    GEMMs. Under a `vocab` shard the rows are first gathered from the shard group, and the loss and h's gradient
     are this rank's rows'."""
     if vocab is not None:  # chunks of as many logits as without the shard
         h, labels, chunk = vocab.gather(h), vocab.gather(labels), chunk * vocab.size
@@ -158,15 +158,13 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk:
     if want_grads:
         grad_h = torch.empty(h.shape, dtype=acc, device=h.device)  # fp32: scaled by the upstream gradient first
         # The first chunk's GEMM writes it, the others add to it (zeros if there are no tokens).
-        if weight_grad:
-            grad_w = (torch.empty if h.shape[0] else torch.zeros)(weight.shape, dtype=acc, device=weight.device)
+        grad_w = (torch.empty if h.shape[0] else torch.zeros)(weight.shape, dtype=acc, device=weight.device)
     for start in range(0, h.shape[0], chunk):
         hs, ys = h[start:start + chunk], labels[start:start + chunk]
         losses[start:start + chunk], dlogits = _chunk_loss(hs, weight, ys, want_grads, vocab, grad_scale)
         if want_grads:
             _matmul_into(grad_h[start:start + chunk], dlogits, weight, accumulate=False)
-            if weight_grad:
-                _matmul_into(grad_w, dlogits.t(), hs, accumulate=start > 0)
+            _matmul_into(grad_w, dlogits.t(), hs, accumulate=start > 0)
     if vocab is None:
         return losses.sum(), grad_h, grad_w
     return vocab.own(losses).sum(), None if grad_h is None else vocab.scatter_sum(grad_h), grad_w
@@ -184,7 +182,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # fp32 gradient without a rounding to h's dtype on the way.
         ctx.dtypes, ctx.vocab, ctx.scaled = (h.dtype, weight.dtype), vocab, scale is not None
         w = _in_dtype(weight, weight_in_h_dtype, h.dtype)
-        total, grad_h, grad_w = _chunked(h, w, labels, chunk, True, vocab, scale, weight.requires_grad)
+        total, grad_h, grad_w = _chunked(h, w, labels, chunk, True, vocab, scale)
         ctx.save_for_backward(grad_h, grad_w)
         return total if scale is None else total * scale
 
@@ -200,13 +198,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # start of the backward, when the activations are all alive. (A second backward through the graph fails
             # autograd's check that saved tensors were not modified.) Under a vocab shard the weight's gradient holds
             # every rank's tokens: the shard averages it over the mesh.
-            if grad_w is not None:
-                grad_w = (scale_(grad_w, grad_total) if ctx.vocab is None else
-                          ctx.vocab.weight_grad(grad_w, grad_total))
+            grad_w = scale_(grad_w, grad_total) if ctx.vocab is None else ctx.vocab.weight_grad(grad_w, grad_total)
             grad_h = grad_h * grad_total
         return (grad_h.to(h_dtype) if ctx.needs_input_grad[0] else None,
-                grad_w.to(w_dtype) if ctx.needs_input_grad[1] and grad_w is not None else None,
-                None, None, None, None, None)
+                grad_w.to(w_dtype) if ctx.needs_input_grad[1] else None, None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
