@@ -32,7 +32,6 @@ Exit codes: 0 done, 2 bad input (one `error:` line).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import sys
@@ -176,8 +175,7 @@ def _check_base(step_dir: Path, saved: dict, source: str, seed: int | None, args
     if source and not Path(source).exists():
         raise ConvertError(f"{step_dir}'s adapters were trained on the base {source}, which is not there: pass --base "
                            "with that base's HF folder")
-    # The token ids are no part of the weights: the step's config.json has the tokenizer's, the run's model none.
-    ours = base_digest(source, seed, dataclasses.replace(args, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    ours = base_digest(source, seed, args)  # a seed's base is drawn again here, on the CPU
     if ours != saved["digest"]:
         raise ConvertError(f"{step_dir}'s adapters were trained on the base {saved['source'] or 'drawn from the seed'} "
                            f"(digest {saved['digest']}); the base {source or 'drawn from the seed'} has digest {ours}: "

@@ -305,7 +305,7 @@ class Trainer:
         """A LoRA run's settings and the digest of its base, saved with its checkpoints (lora_base.py)."""
         lora = lora_args(self.cfg)
         return None if lora is None else lora_record(lora, self.cfg.checkpoint.initial_load_hf,
-                                                     self.cfg.training.seed, self.model_args)
+                                                     self.cfg.training.seed, self.model_args, self.device.type)
 
     @property
     def export_folder(self) -> str:

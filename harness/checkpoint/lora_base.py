@@ -5,7 +5,8 @@ The digest of an HF folder is a sha256 over each safetensors file's header (ever
 place) and, per tensor, three 4 KiB samples of its bytes (start, middle, end): any other checkpoint, a fine-tune
 of the same one among them (it changes every tensor), gives another digest, while reading ~12 KiB a tensor (a
 second for the 35B-A3B's ~2,000 tensors, against minutes to hash its 67 GB). A base drawn from the seed (no
-checkpoint.initial_load_hf) is named by the seed and the model's shape.
+checkpoint.initial_load_hf) is named by the seed, the model's shape (not its token ids: no part of the weights) and
+the device type that drew it (CPU and CUDA generators draw different numbers).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from models.qwen35_moe import Qwen35MoeArgs
 SAMPLE_BYTES = 4096
 
 
-def base_digest(source: str, seed: int, args: Qwen35MoeArgs) -> str:
-    """The digest of the base a LoRA run starts from: the HF folder `source`, or (source "") the seed's init."""
+def base_digest(source: str, seed: int, args: Qwen35MoeArgs, device: str = "cpu") -> str:
+    """The digest of the base a LoRA run starts from: the HF folder `source`, or (source "") the seed's init drawn on
+    a `device` ("cpu", "cuda")."""
     digest = hashlib.sha256()
     if not source:
-        digest.update(json.dumps({"seed": seed, "model": dataclasses.asdict(args)}, sort_keys=True).encode())
-        return "seed:" + digest.hexdigest()
+        shape = dataclasses.asdict(dataclasses.replace(args, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+        digest.update(json.dumps({"seed": seed, "model": shape, "device": device}, sort_keys=True).encode())
+        return f"seed-{device}:" + digest.hexdigest()
     folder = Path(source)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
     for path in files:
@@ -44,10 +47,10 @@ def base_digest(source: str, seed: int, args: Qwen35MoeArgs) -> str:
     return "sha256-sampled:" + digest.hexdigest()
 
 
-def lora_record(lora, source: str, seed: int, args: Qwen35MoeArgs) -> dict:
+def lora_record(lora, source: str, seed: int, args: Qwen35MoeArgs, device: str) -> dict:
     """The train state's "lora" entry: the adapters' settings and the base's digest and source."""
     settings = dataclasses.asdict(lora) | {"targets": list(lora.targets)}
-    return {"args": settings, "base": {"digest": base_digest(source, seed, args), "source": source}}
+    return {"args": settings, "base": {"digest": base_digest(source, seed, args, device), "source": source}}
 
 
 def lora_problem(saved: dict | None, ours: dict | None) -> str | None:

@@ -93,6 +93,17 @@ def test_a_resume_onto_another_base_or_settings_stops_with_one_line_and_leaves_t
     assert {p: p.read_bytes() for p in step.rglob("*") if p.is_file()} == before
 
 
+def test_the_mtp_layers_adapters_train_save_and_export_merged(tmp_path, bases):
+    """lora.mtp "lora": the MTP layer's adapters are in the checkpoint and trained (MTP loss on), merged in hf/."""
+    assert run(tmp_path, bases[0], "--model.flavor", "debugmodel_mtp", "--model.mtp_num_hidden_layers", "1",
+               "--lora.mtp", "lora", "--training.mtp_loss_coef", "0.1", "--training.steps", "2",
+               "--checkpoint.initial_load_hf", "") == 0
+    keys = FileSystemReader(str(tmp_path / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.mtp.") and ".adapter." in k for k in keys)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("mtp_loss" in r for r in rows if "loss" in r)
+
+
 @pytest.mark.parametrize("flags, problem", [
     (["--lora.rank", "12"], "lora.rank must be a positive multiple of 8, got 12"),
     (["--lora.targets", "q_proj,lm_head"], "lora.targets must be a non-empty list of"),
