@@ -2,7 +2,7 @@
 
 A line of training is a run and every relaunch that resumes its checkpoints. Its id (`new_run_id`: the start time
 and a random suffix) is saved in each checkpoint it writes and names its TensorBoard folder, tb/<id>. The dump
-folder's metrics.jsonl, config.toml and hf/ (the end-of-run export) belong to one line, the one run.json beside them
+folder's metrics.jsonl, config.toml, hf/ (the end-of-run export) and hf-adapter/ (a LoRA run's) belong to one line, the one run.json beside them
 names. A launch makes them its own line's before it writes any (`claim_outputs`, rank 0):
 
 - resuming a checkpoint of the line run.json names: nothing moves (metrics.jsonl then keeps its records up to the
@@ -30,8 +30,8 @@ from pathlib import Path
 from .atomic_file import write_whole
 
 RUN_FILE = "run.json"
-METRICS, CONFIG, EXPORT = "metrics.jsonl", "config.toml", "hf"
-OUTPUTS = (METRICS, CONFIG, EXPORT)
+METRICS, CONFIG, EXPORT, ADAPTER = "metrics.jsonl", "config.toml", "hf", "hf-adapter"  # hf-adapter: LoRA's PEFT export
+OUTPUTS = (METRICS, CONFIG, EXPORT, ADAPTER)
 
 
 class OutputError(RuntimeError):

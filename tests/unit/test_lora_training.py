@@ -135,3 +135,12 @@ def test_the_frozen_base_is_held_in_the_compute_dtype_with_no_kept_copy():
     for module in model.modules():
         precision.reader(module) if hasattr(module, "weight_reader") else None
     assert precision._slots == []  # nothing to copy: the base is in bf16 already, the adapters are no Linear
+
+
+def test_a_fresh_launch_sets_another_lines_peft_adapter_aside_with_its_export(tmp_path, bases):
+    assert run(tmp_path, bases[0], "--training.steps", "1", "--checkpoint.enable", "false") == 0
+    first = json.loads((tmp_path / "run.json").read_text())["run"]
+    before = (tmp_path / "hf-adapter" / "adapter_model.safetensors").read_bytes()
+    assert run(tmp_path, bases[0], "--training.steps", "1", "--checkpoint.enable", "false") == 0
+    assert (tmp_path / f"hf-adapter-{first}" / "adapter_model.safetensors").read_bytes() == before
+    assert (tmp_path / f"hf-{first}").is_dir() and (tmp_path / "hf-adapter").is_dir()
