@@ -68,7 +68,7 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     rank, world = _rank_world()
     _, read = hf_native_tensors(path, args)
     params = {canonical_name(name): p for name, p in model.named_parameters()
-              if ".adapter." not in name}  # LoRA's adapters: not the base's (models/qwen35_moe/lora.py)
+              if not is_adapter_key(name)}  # LoRA's adapters: not the base's (models/qwen35_moe/lora.py)
     for key, param in params.items():
         local = param.to_local() if isinstance(param, DTensor) else param
         if rank == 0:

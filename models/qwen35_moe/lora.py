@@ -66,11 +66,6 @@ class LowRank(nn.Module):
         low = F.linear(self.dropout(x), a if columns is None else columns(a)) * self.scale  # scaled rank-wide
         return F.linear(low, b if rows is None else rows(b))
 
-    def delta(self) -> torch.Tensor:
-        """s * B A (out, in) in fp32 (at least): what merging adds to the base weight."""
-        dtype = torch.promote_types(self.lora_A.dtype, torch.float32)
-        return self.scale * (self.lora_B.to(dtype) @ self.lora_A.to(dtype))
-
 
 class ExpertLowRank(nn.Module):
     """The updates of the routed experts: per expert e, s * B_e A_e on the fused gate/up projection (2I, D) and on
@@ -100,12 +95,6 @@ class ExpertLowRank(nn.Module):
         """Expert `expert`'s (a local index) update of its rows x (the reference path)."""
         a, b = self.pairs(which, sharding, x.dtype)
         return F.linear(F.linear(self.dropout(x), a[expert]) * self.scale, b[expert])
-
-    def delta(self, which: str) -> torch.Tensor:
-        """s * B_e A_e of every expert (E, out, in) in fp32 (at least), for the whole (unsharded) parameters."""
-        a, b = getattr(self, f"{which}_A"), getattr(self, f"{which}_B")
-        dtype = torch.promote_types(a.dtype, torch.float32)
-        return self.scale * (b.to(dtype) @ a.to(dtype))
 
 
 def _targets_of(model: nn.Module, args: LoraArgs) -> list[tuple[str, nn.Module, str]]:
@@ -151,23 +140,6 @@ def add_adapters(model: nn.Module, args: LoraArgs) -> int:
 def adapted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module that carries an adapter."""
     return [(name, module) for name, module in model.named_modules() if getattr(module, "adapter", None) is not None]
-
-
-def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{state-dict key of a base weight: base + s * B A} for every adapted weight of `model` (whole parameters:
-    one process), in fp32 (at least); the exports write these in place of the base's."""
-    merged = {}
-    for name, module in adapted_modules(model):
-        prefix = canonical_name(name) + "." if name else ""
-        adapter = module.adapter
-        if isinstance(adapter, ExpertLowRank):
-            for which in ("gate_up", "down"):
-                delta = adapter.delta(which)
-                merged[f"{prefix}{which}_proj"] = getattr(module, f"{which}_proj").to(delta.dtype) + delta
-        else:
-            delta = adapter.delta()
-            merged[f"{prefix}weight"] = module.weight.to(delta.dtype) + delta
-    return merged
 
 
 def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:

@@ -12,7 +12,8 @@ import torch
 from torch.func import functional_call
 
 from models.qwen35_moe import Qwen35MoeModel, get_flavor
-from models.qwen35_moe.lora import DEFAULT_TARGETS, TARGETS, LoraArgs, add_adapters, adapted_modules, merged_weights
+from harness.checkpoint.lora_merge import merged_reads, model_merges
+from models.qwen35_moe.lora import DEFAULT_TARGETS, TARGETS, LoraArgs, add_adapters, adapted_modules
 from tests.builders import initialized_model
 
 ARGS = get_flavor("debugmodel_mtp")
@@ -70,21 +71,23 @@ def test_only_the_adapters_train_and_every_target_gets_one():
                    for name, _ in adapted_modules(default))
 
 
-def _merged_from_leaves(model: Qwen35MoeModel, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every adapted base weight as W + s * B A of the leaf A and B tensors `leaves` (adapter key -> tensor): the
-    plain formula, per expert for the routed experts (B_e @ A_e)."""
-    scale = EVERY_TARGET.scale
-    weights = plain_state(model)
+def formula_weights(model: Qwen35MoeModel, factors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """{key of an adapted base weight: W + s * B A}, the plain formula on the A and B tensors `factors` (adapter key ->
+    tensor; None: the model's own), per expert for the routed experts (B_e @ A_e), s each adapter's alpha / rank:
+    the reference the adapters' forward, gradients and merged exports are held to."""
+    factors = factors if factors is not None else {k: v for k, v in model.state_dict().items() if ".adapter." in k}
+    weights, merged = model.state_dict(), {}
     for name, module in adapted_modules(model):
+        scale = module.adapter.scale
         if name.endswith("experts"):
             for which in ("gate_up", "down"):
-                a, b = leaves[f"{name}.adapter.{which}_A"], leaves[f"{name}.adapter.{which}_B"]
+                a, b = factors[f"{name}.adapter.{which}_A"], factors[f"{name}.adapter.{which}_B"]
                 delta = torch.stack([b[e] @ a[e] for e in range(a.shape[0])])
-                weights[f"{name}.{which}_proj"] = weights[f"{name}.{which}_proj"] + scale * delta
+                merged[f"{name}.{which}_proj"] = weights[f"{name}.{which}_proj"] + scale * delta
         else:
-            a, b = leaves[f"{name}.adapter.lora_A"], leaves[f"{name}.adapter.lora_B"]
-            weights[f"{name}.weight"] = weights[f"{name}.weight"] + scale * b @ a
-    return weights
+            a, b = factors[f"{name}.adapter.lora_A"], factors[f"{name}.adapter.lora_B"]
+            merged[f"{name}.weight"] = weights[f"{name}.weight"] + scale * b @ a
+    return merged
 
 
 def test_logits_and_gradients_of_a_and_b_equal_the_plain_formula():
@@ -96,7 +99,7 @@ def test_logits_and_gradients_of_a_and_b_equal_the_plain_formula():
 
     base = initialized_model(ARGS).double().requires_grad_(False)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in model.state_dict().items() if ".adapter." in k}
-    weights = _merged_from_leaves(model, leaves)
+    weights = plain_state(model) | formula_weights(model, leaves)
     ref = functional_call(base, weights, (ids, pos), dict(labels=labels, mtp=True,
                                                             mtp_labels=torch.roll(ids, -2, dims=1)[..., None]))
     torch.testing.assert_close(out.ce_sum, ref.ce_sum, rtol=1e-12, atol=0)
@@ -110,11 +113,13 @@ def test_logits_and_gradients_of_a_and_b_equal_the_plain_formula():
     assert expert_grads and all(g.abs().sum() > 0 for g in expert_grads)
 
 
-def test_merged_weights_run_as_the_plain_model_give_the_lora_models_logits():
+def test_the_exports_merged_weights_run_as_the_plain_model_give_the_lora_models_logits():
     model = lora_model()
     base = initialized_model(ARGS).double()
-    weights = plain_state(model) | merged_weights(model)
-    base.load_state_dict(weights)
+    state = model.state_dict()
+    merges = model_merges(model, state)
+    read = merged_reads(state.__getitem__, merges, torch.float64)  # the merge the HF exports write
+    base.load_state_dict(plain_state(model) | {key: read(key) for key in merges})
     ids, pos = batch(2)
     torch.testing.assert_close(base(ids, pos, mtp=True).logits, model(ids, pos, mtp=True).logits,
                                rtol=1e-12, atol=1e-12)

@@ -23,10 +23,11 @@ from harness.checkpoint.peft_adapter import CONFIG_NAME, WEIGHTS_NAME, export_pe
 from harness.checkpoint.plain_state import to_bytes
 from harness.convert import main as convert_main
 from models.qwen35_moe import Qwen35MoeModel, from_pretrained, get_flavor
-from models.qwen35_moe.lora import TARGETS, LoraArgs, add_adapters, merged_weights
+from models.qwen35_moe.lora import TARGETS, LoraArgs, add_adapters
 from tests.hf_reference import force_transformers_torch_kernels
 from tests.unit.test_convert_output_folder import files_under, one_error
 from tests.unit.test_export_mtp_layout import headers
+from tests.unit.test_lora import formula_weights
 
 ARGS = get_flavor("debugmodel_mtp")
 # every target, the MTP layer's too; dropout, which PEFT's ParamWrapper (experts, router) cannot state
@@ -83,13 +84,13 @@ def exported(tmp_path_factory):
 
 
 def test_merged_export_is_the_plain_layout_with_each_adapted_weight_merged(exported):
-    """Names, dtypes and shapes of a plain export; each tensor W + s * B A (lora.merged_weights, float64) rounded to
+    """Names, dtypes and shapes of a plain export; each tensor W + s * B A (the plain formula, float64) rounded to
     fp32: the merge sums in float64 here, in its own order (addmm), so a value may round to the neighbouring fp32 (one
     ulp, 2**-23 relative: 1.2e-7)."""
     folder = exported.folder
     assert headers(folder / "merged") == headers(folder / "base")
     merged = from_pretrained(folder / "merged").state_dict()
-    expected = merged_weights(exported.model)
+    expected = formula_weights(exported.model)
     assert len(expected) == 59  # 4 layers and the MTP layer: every module adapted (its weights under the experts')
     for key, value in expected.items():
         torch.testing.assert_close(merged[key].double(), value, rtol=2.5e-7, atol=0, msg=key)
