@@ -4,7 +4,7 @@ CUDA allocator, and how long each took. Finds the cause of a step that runs far 
     python benchmarks/tools/step_stalls.py benchmarks/train_throughput.py --layers 8 --experts 32 \
         -- --training.local_batch_size 2 --compile.enable true --activation_checkpoint.mode none
 
-Runs the given script (any script that trains through harness.trainer.Trainer) with counters around each
+Runs the given script (any script that trains through harness.trainer.Trainer, in this checkout or another) with counters around each
 `Trainer.train_step` call, and prints one line per step: the wall time from the start of this step's call to the
 start of the next (the host's time; under compile the host runs ahead of the GPU, so a stall shows in the step
 whose host work waited), the dynamo graphs compiled in it (and the guard that failed, for a recompile), the Triton
@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 class StepCounters:
@@ -127,13 +125,15 @@ def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__)
         return 2
+    script = Path(sys.argv[1]).resolve()
+    # The script's own checkout's trainer (another checkout's script counts the code it runs, not this one's).
+    repo = next((d for d in script.parents if (d / "harness").is_dir()), Path(__file__).resolve().parents[2])
+    sys.path[:0] = [str(script.parent), str(repo)]
     counters = StepCounters()
     install(counters)
-    script = sys.argv[1]
     sys.argv = sys.argv[1:]
-    sys.path.insert(0, str(Path(script).resolve().parent))
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(str(script), run_name="__main__")
     except SystemExit as end:
         code = end.code
     else:
