@@ -46,8 +46,9 @@ from harness.train import main as train_main  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs  # noqa: E402
 
 
-def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device, warmup: int) -> dict:
-    """A plain transformers loop over `batches`; returns median tokens/s and peak memory after warm-up."""
+def transformers_model(args: Qwen35MoeArgs, device: torch.device, folder: Path | None = None):
+    """transformers' Qwen3_5MoeForCausalLM as the baseline runs it: `args`' shapes with fresh weights, or the
+    weights of the HF folder `folder`; bf16 on a GPU (grouped_mm experts), fp32 on CPU; SDPA attention."""
     from transformers import AutoConfig, Qwen3_5MoeForCausalLM
 
     from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward
@@ -55,30 +56,55 @@ def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device,
     if device.type == "cuda":  # FLA refuses its backward on Hopper with Triton < 3.7.1 unless this self-check passes
         enable_fla_hopper_backward(args.linear_num_key_heads, args.linear_num_value_heads,
                                    args.linear_key_head_dim, args.linear_value_head_dim, device)
-    config = AutoConfig.for_model(**args.to_hf_config())
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device):
-        model = Qwen3_5MoeForCausalLM._from_config(
-            config, dtype=dtype, attn_implementation="sdpa",
-            experts_implementation="grouped_mm" if device.type == "cuda" else None)
+    options = {"dtype": torch.bfloat16 if device.type == "cuda" else torch.float32, "attn_implementation": "sdpa",
+               "experts_implementation": "grouped_mm" if device.type == "cuda" else None}
+    if folder is None:
+        with torch.device(device):
+            model = Qwen3_5MoeForCausalLM._from_config(AutoConfig.for_model(**args.to_hf_config()), **options)
+    else:
+        # loaded on the host, then moved: a device_map would need accelerate, which the plain loop does without
+        model = Qwen3_5MoeForCausalLM.from_pretrained(folder, **options).to(device)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, betas=(0.9, 0.95))
-    rates = []
+    return model
+
+
+def train_loop(model, optimizer, batches: list[dict], device: torch.device, warmup: int, loss_of,
+               max_norm: float | None = None, scheduler=None) -> dict:
+    """Trains `model` on `batches`, one optimizer step each; `loss_of(model, batch)` is a step's loss, the batch
+    on the device. Returns median tokens/s after `warmup` steps, peak memory and every step's loss and rate."""
+    rates, losses = [], []
     for i, batch in enumerate(batches):
-        ids = batch["input_ids"].to(device)
+        batch = {key: value.to(device) for key, value in batch.items()}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        loss = loss_of(model, batch)
         loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
-            rates.append(ids.numel() / (time.perf_counter() - start))
-    result = {"tokens_per_sec": statistics.median(rates), "max_memory_gib": max_memory_gib(device),
-              "final_loss": loss.item(), "rates": rates}
+            rates.append(batch["input_ids"].numel() / (time.perf_counter() - start))
+        losses.append(loss.item())
+    return {"tokens_per_sec": statistics.median(rates), "max_memory_gib": max_memory_gib(device),
+            "final_loss": losses[-1], "losses": losses, "rates": rates}
+
+
+def run_baseline(args: Qwen35MoeArgs, batches: list[dict], device: torch.device, warmup: int) -> dict:
+    """A plain transformers loop over `batches`; returns median tokens/s and peak memory after warm-up."""
+    model = transformers_model(args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, betas=(0.9, 0.95))
+
+    def loss_of(model, batch):
+        ids = batch["input_ids"]
+        return model(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+
+    result = train_loop(model, optimizer, batches, device, warmup, loss_of)
     del model, optimizer
     gc.collect()
     if device.type == "cuda":

@@ -1,0 +1,120 @@
+"""benchmarks/peer_torchtitan.py, the parts that run without torchtitan: the report (a contender that failed among
+those that ran), our trainer's batch check, the folder as torchtitan 0.3.0's from_hf reads it, the HF slices its
+parameters are checked against, and the stand-ins for what an older torch lacks."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from tests.benchmarks.scripts import loaded
+
+
+def test_report_keeps_the_others_when_one_contender_fails():
+    peer = loaded("peer_torchtitan.py")
+    ns = peer.parse_args(["--flavor", "debugmodel"])
+    spec = {"seq": 256, "batch": 2, "ac": "none", "compile": False, "steps": 2, "warmup": 1, "folder": "/w/hf",
+            "attended": 100.0}
+    results = {"ours": {"tokens_per_sec": 200.0, "max_memory_gib": 1.0, "losses": [6.0, 5.5], "peak_flops": 1e3,
+                        "notes": ["a note"]},
+               "torchtitan": {"error": ["Traceback (most recent call last):", "torch.OutOfMemoryError: CUDA"],
+                              "exit": 1},
+               "transformers": {"tokens_per_sec": 100.0, "max_memory_gib": 2.0, "losses": [6.1, 5.3],
+                                "peak_flops": 1e3}}
+    text = "\n".join(peer.report(ns, spec, results, flops=2.0, device="cuda"))
+    assert "torchtitan 0.3.0   failed (exit 1)" in text and "| torch.OutOfMemoryError: CUDA" in text
+    assert "ours                      200 tok/s  MFU  40.0%  peak 1.0 GiB  loss step 1 6.0000, step 2 5.5000" in text
+    assert "ratio ours / transformers loop: 2.00x" in text and "ours / torchtitan" not in text
+    assert "transformers loop vs ours: max |loss difference| 0.20000 over 2 steps, 0.10000 at step 1" in text
+    assert "  ours: a note" in text
+
+
+def test_results_of_earlier_invocations_count_only_with_the_same_settings(tmp_path):
+    peer = loaded("peer_torchtitan.py")
+    spec = {"steps": 2, "ac": "none"}
+    (tmp_path / "ours.json").write_text(json.dumps({"tokens_per_sec": 1.0, "notes": ["n"], "spec": spec}))
+    assert peer.earlier_result(tmp_path, "ours", spec)["notes"] == ["measured by an earlier invocation on this "
+                                                                      "folder", "n"]
+    assert peer.earlier_result(tmp_path, "ours", {**spec, "ac": "full"}) is None
+    assert peer.earlier_result(tmp_path, "torchtitan", spec) is None
+
+
+def test_only_names_contenders():
+    peer = loaded("peer_torchtitan.py")
+    assert peer.parse_args(["--only", "ours, torchtitan"]).only == ["ours", "torchtitan"]
+    for wrong in (["--only", "ours,megatron"], ["--steps", "5", "--warmup", "5"]):
+        with pytest.raises(SystemExit):
+            peer.parse_args(wrong)
+
+
+def test_our_trainers_batches_are_checked_against_the_saved_rows():
+    peer = loaded("peer_torchtitan.py")
+    rows = [{"input_ids": torch.arange(4).view(1, 4)}, {"input_ids": torch.arange(4, 8).view(1, 4)}]
+    assert len(list(peer.CheckedLoader(rows, rows))) == 2
+    with pytest.raises(SystemExit, match="batch 2 differs"):
+        list(peer.CheckedLoader([rows[0], rows[0]], rows))
+
+
+def test_folder_as_torchtitan_reads_it_and_the_slices_its_parameters_must_equal():
+    peer = loaded("peer_torchtitan.py")
+    args = loaded("bench_model.py").bench_args(4, 8, "debugmodel")
+    kd = args.linear_num_key_heads * args.linear_key_head_dim
+    vd = args.linear_num_value_heads * args.linear_value_head_dim
+    e, f, d = args.num_experts, args.moe_intermediate_size, args.hidden_size
+    hf = {"model.layers.0.linear_attn.in_proj_qkv.weight": torch.randn(2 * kd + vd, d),
+          "model.layers.0.linear_attn.conv1d.weight": torch.randn(2 * kd + vd, 1, 4),
+          "model.layers.0.mlp.experts.gate_up_proj": torch.randn(e, 2 * f, d),
+          "model.layers.0.mlp.experts.down_proj": torch.randn(e, d, f),
+          "lm_head.weight": torch.randn(args.vocab_size, d)}
+    read = peer.torchtitan_input(hf)
+    assert set(read) == {k.replace("model.", "model.language_model.") for k in hf}
+    assert torch.equal(read["model.language_model.layers.0.mlp.experts.gate_up_proj"],
+                       hf["model.layers.0.mlp.experts.gate_up_proj"].transpose(1, 2))
+    assert torch.equal(read["model.language_model.layers.0.mlp.experts.down_proj"],
+                       hf["model.layers.0.mlp.experts.down_proj"].transpose(1, 2))
+
+    def part(name):
+        return peer.hf_source(f"layers.0.{name}", hf, args)
+
+    assert torch.equal(torch.cat([part(f"attn.in_proj_{x}.weight") for x in "qkv"]),
+                       hf["model.layers.0.linear_attn.in_proj_qkv.weight"])
+    assert [part(f"attn.conv_{x}.weight").shape[0] for x in "qkv"] == [kd, kd, vd]
+    gate, up = part("moe.routed_experts.inner_experts.w1_EFD"), part("moe.routed_experts.inner_experts.w3_EFD")
+    x = torch.randn(3, d)  # transformers' expert e: gate, up = linear(x, gate_up_proj[e]).chunk(2, dim=-1)
+    want_gate, want_up = torch.nn.functional.linear(x, hf["model.layers.0.mlp.experts.gate_up_proj"][1]).chunk(2, -1)
+    assert torch.allclose(x @ gate[1].T, want_gate) and torch.allclose(x @ up[1].T, want_up)
+    assert part("moe.routed_experts.inner_experts.w2_EDF").shape == (e, d, f)
+    assert peer.hf_source("lm_head.weight", hf, args) is hf["lm_head.weight"]
+
+
+def test_stand_ins_only_where_torch_lacks_the_original():
+    peer = loaded("peer_torchtitan.py")
+    calls = []
+    create = peer._with_full_blocks(lambda *args, **kwargs: calls.append((args, kwargs)))
+    create("mask_mod", 2, None, 8, 8, BLOCK_SIZE=128, separate_full_blocks=True)
+    assert calls == [(("mask_mod", 2, None, 8, 8), {"BLOCK_SIZE": 128})]
+    with pytest.raises(NotImplementedError):
+        create("mask_mod", 2, None, 8, 8, separate_full_blocks=False)
+    with pytest.raises(NotImplementedError):
+        peer._DataParallelMeshDims()
+    import torch.distributed.fsdp as fsdp
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    full_blocks = "separate_full_blocks" in inspect.signature(create_block_mask).parameters
+    if hasattr(fsdp, "DataParallelMeshDims") and full_blocks:
+        assert peer.add_torch_stand_ins() == []  # torch >= 2.12 has both originals: nothing is replaced
+        assert torch.nn.attention.flex_attention.create_block_mask is create_block_mask
+
+
+def test_one_reduce_of_fp32_and_bf16_gradients_gets_them_in_fp32():
+    peer = loaded("peer_torchtitan.py")
+    seen = []
+    reduce = peer._uniform_reduce_dtype(lambda params, grads, *rest: seen.append(([g.dtype for g in grads], rest)))
+    grads = [torch.ones(2, dtype=torch.bfloat16), torch.ones(3)]
+    reduce(["norm", "lm_head"], grads, "group")
+    assert seen == [([torch.float32, torch.float32], ("group",))] and grads[0].dtype == torch.float32
+    reduce(["a"], [torch.ones(1, dtype=torch.bfloat16)])
+    assert seen[-1][0] == [torch.bfloat16]  # uniform: untouched
