@@ -696,8 +696,10 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     args = Qwen35MoeArgs.from_hf_config(folder)
+    print(f"torchtitan: imports {time.perf_counter() - began:.0f} s", flush=True)
     if cuda:
         check_fla_hopper_backward(args, device)
+        print(f"torchtitan: FLA's self-check done at {time.perf_counter() - began:.0f} s", flush=True)
     dist_utils.init_distributed(CommConfig(), base_folder=str(work))
     # One GPU: no TP, EP, CP or PP, so its default spmd_types backend would only annotate types. partial_dtensor takes
     # the same one-GPU path without model.update_from_config, which the annotations need and which imports
@@ -723,7 +725,9 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # its buffers (RoPE cache, expert counts); the weights come next
+    print(f"torchtitan: model built and parallelized at {time.perf_counter() - began:.0f} s", flush=True)
     checked = load_and_check(model, args, folder)
+    print(f"torchtitan: HF folder loaded and checked at {time.perf_counter() - began:.0f} s", flush=True)
     model.train()
 
     a = spec["adamw"]
