@@ -4,13 +4,13 @@ CUDA allocator, and how long each took. Finds the cause of a step that runs far 
     python benchmarks/tools/step_stalls.py benchmarks/train_throughput.py --layers 8 --experts 32 \
         -- --training.local_batch_size 2 --compile.enable true --activation_checkpoint.mode none
 
-Runs the given script (any script that trains through harness.trainer.Trainer, in this checkout or another) with counters around each
-`Trainer.train_step` call, and prints one line per step: the wall time from the start of this step's call to the
-start of the next (the host's time; under compile the host runs ahead of the GPU, so a stall shows in the step
-whose host work waited), the dynamo graphs compiled in it (and the guard that failed, for a recompile), the Triton
-kernels compiled in it (by name, with their specialisation: a new value of an integer argument that is 1 or a
-multiple of 16 compiles a new variant), Python's garbage collections and their time, and the CUDA allocator's
-device allocations and retries (a retry frees cached blocks and synchronises).
+Runs the given script (any script that trains through harness.trainer.Trainer, in this checkout or another) with
+counters around each `Trainer.train_step` call, and prints one line per step: the wall time from the start of this
+step's call to the start of the next (the host's time; under compile the host runs ahead of the GPU, so a stall
+shows in the step whose host work waited), the dynamo graphs compiled in it (and the guard that failed, for a
+recompile), the Triton kernels compiled in it (by name, with their integer arguments' specialisation: a new value
+that is 1 or a multiple of 16 compiles a new variant), Python's garbage collections and their time, and the CUDA
+allocator's device allocations and retries (a retry frees cached blocks and synchronises).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
 
 
 class StepCounters:

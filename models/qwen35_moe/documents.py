@@ -34,6 +34,9 @@ class DocumentLayout:
     cp_segments: ContextParallelSegments | None = None
     cu_seqlens_cpu: torch.Tensor | None = None  # a host copy of cu_seqlens, when it was derived on the host
 
+    def __post_init__(self):
+        _mark_varying(self.cu_seqlens)
+
     @property
     def is_packed(self) -> bool:
         return self.cu_seqlens is not None
@@ -44,19 +47,20 @@ class DocumentLayout:
         if self.position_ids.device == torch.device(device):
             return self
         return replace(self, position_ids=to_device(self.position_ids, device),
-                       cu_seqlens=varying(to_device(self.cu_seqlens, device)), document_ids=to_device(self.document_ids, device),
+                       cu_seqlens=to_device(self.cu_seqlens, device), document_ids=to_device(self.document_ids, device),
                        token_index=to_device(self.token_index, device),
                        global_layout=self.global_layout.to(device) if self.global_layout is not None else None,
                        cp_segments=self.cp_segments.to(device) if self.cp_segments is not None else None)
 
 
-def varying(t: torch.Tensor | None) -> torch.Tensor | None:
-    """`t`, whose first size changes with where documents fall, marked so for torch.compile: compiled blocks take
-    its size as a symbol from their first compile, instead of compiling for the first batch's document count and
-    again, with it symbolic, at the first batch with another (a recompile of every block that reads it)."""
-    if t is not None:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    return t
+def _mark_varying(*tensors: torch.Tensor | None) -> None:
+    """Marks tensors whose first size changes with where documents fall (a layout's, every time one is made, on
+    the host or by `to`) so for torch.compile: compiled blocks take that size as a symbol from their first compile,
+    instead of compiling for the first batch's document count and again, with it symbolic, at the first batch with
+    another (a recompile of every block that reads it)."""
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def to_device(t: torch.Tensor | None, device) -> torch.Tensor | None:
@@ -96,7 +100,7 @@ def document_layout(position_ids: torch.Tensor | None, batch: int, seq_len: int,
         return DocumentLayout(position_ids=position_ids, max_seqlen=seq_len)
     flat_starts = starts.reshape(-1).nonzero().squeeze(-1)
     total = torch.tensor([batch * seq_len], device=device)
-    cu_seqlens = varying(torch.cat((flat_starts, total)).to(torch.int32))
+    cu_seqlens = torch.cat((flat_starts, total)).to(torch.int32)
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     document_ids = starts.cumsum(dim=1)
     return DocumentLayout(position_ids, cu_seqlens, max_seqlen, document_ids,
@@ -126,10 +130,12 @@ class ContextParallelSegments:
     max_seqlen_q: int
     max_seqlen_k: int
 
+    def __post_init__(self):
+        _mark_varying(self.cu_seqlens_q, self.cu_seqlens_k, self.key_index)
+
     def to(self, device: torch.device) -> ContextParallelSegments:
-        return replace(self, cu_seqlens_q=varying(to_device(self.cu_seqlens_q, device)),
-                       cu_seqlens_k=varying(to_device(self.cu_seqlens_k, device)),
-                       key_index=varying(to_device(self.key_index, device)))
+        return replace(self, cu_seqlens_q=to_device(self.cu_seqlens_q, device),
+                       cu_seqlens_k=to_device(self.cu_seqlens_k, device), key_index=to_device(self.key_index, device))
 
 
 def context_parallel_segments(layout: DocumentLayout) -> ContextParallelSegments:
@@ -157,5 +163,4 @@ def context_parallel_segments(layout: DocumentLayout) -> ContextParallelSegments
     total_k, max_q, max_k = torch.stack((cu_k[-1], len_q.max(), len_k.max())).tolist()
     key_index = torch.repeat_interleave(row * seq + key_start - cu_k[:-1], len_k, output_size=total_k)
     key_index = key_index + torch.arange(total_k, device=device)
-    return ContextParallelSegments(varying(cu_q.to(torch.int32)), varying(cu_k.to(torch.int32)), varying(key_index),
-                                   max_q, max_k)
+    return ContextParallelSegments(cu_q.to(torch.int32), cu_k.to(torch.int32), key_index, max_q, max_k)
