@@ -303,12 +303,6 @@ def the_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def peak_flops_of(device: torch.device) -> float | None:
-    from harness.metrics import peak_flops
-
-    return peak_flops(device)
-
-
 class CheckedLoader:
     """Our trainer's loader, each batch it draws checked equal to the saved rows the others train on."""
 
@@ -332,6 +326,7 @@ def run_ours(spec: dict, work: Path) -> dict:
     import harness.trainer
     from bench_model import run_figures, step_losses
     from harness.config import load_config
+    from harness.metrics import peak_flops
     from harness.train import main as train_main
     from models.qwen35_moe import Qwen35MoeArgs
 
@@ -351,7 +346,7 @@ def run_ours(spec: dict, work: Path) -> dict:
     if balance < 0:  # the model's own
         balance = Qwen35MoeArgs.from_hf_config(spec["folder"]).router_aux_loss_coef
     return {"tokens_per_sec": figures["tokens_per_sec"], "max_memory_gib": figures["max_memory_gib"],
-            "losses": [losses[step] for step in sorted(losses)], "peak_flops": peak_flops_of(the_device()),
+            "losses": [losses[step] for step in sorted(losses)], "peak_flops": peak_flops(the_device()),
             "notes": [f"read the corpus itself; its {loaders[0].checked} batches equal the saved rows",
                       f"trains with the MoE balance loss (weight {balance:g}) too; its losses above are the cross "
                       f"entropy"]}
@@ -360,6 +355,7 @@ def run_ours(spec: dict, work: Path) -> dict:
 def run_transformers(spec: dict, work: Path) -> dict:
     import torch.nn.functional as F
 
+    from harness.metrics import peak_flops
     from hf_baseline import train_loop, transformers_model
     from models.qwen35_moe import Qwen35MoeArgs
 
@@ -380,7 +376,7 @@ def run_transformers(spec: dict, work: Path) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(spec))
     result = train_loop(model, optimizer, torch.load(spec["batches"]), device, spec["warmup"], loss_of,
                         max_norm=spec["max_norm"], scheduler=scheduler)
-    return {**result, "peak_flops": peak_flops_of(device),
+    return {**result, "peak_flops": peak_flops(device),
             "notes": [f"plain rows: attends across documents and carries the GDN state over them (no position ids "
                       f"or document masks); {'bf16' if device.type == 'cuda' else 'fp32'} weights and AdamW states "
                       f"(torch's default AdamW); not compiled; AC "
@@ -545,15 +541,6 @@ def torchtitan_config(args, seq_len: int):
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt._output_linear_init(dim)))
 
 
-def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
 def torchtitan_input(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The folder's tensors as torchtitan 0.3.0's `from_hf` reads them. It reads the release's multimodal names
     (model.language_model.*; given transformers' text-only model.* it maps lm_head alone), and takes the experts
@@ -620,7 +607,9 @@ def load_and_check(model, args, folder: Path) -> int:
     from torch.distributed.tensor import DTensor
     from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
 
-    hf = read_hf_folder(folder)
+    from models.qwen35_moe import load_hf_state_dict
+
+    hf = load_hf_state_dict(folder)
     state = Qwen35StateDictAdapter(model.config, None).from_hf(torchtitan_input(hf))
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
     checked = 0
@@ -689,7 +678,7 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     from torchtitan.models.qwen3_5 import parallelize_qwen3_5
     from torchtitan.tools.utils import GarbageCollection
 
-    from harness.metrics import max_memory_gib
+    from harness.metrics import max_memory_gib, peak_flops
     from models.qwen35_moe import Qwen35MoeArgs
 
     device, folder = the_device(), Path(spec["folder"])
@@ -797,7 +786,7 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     if not cuda:  # why its losses differ from ours on CPU, in the fourth or fifth digit
         notes.append("its grouped GEMMs run the routed experts in bf16 on any device")
     return {"tokens_per_sec": statistics.median(rates), "max_memory_gib": max_memory_gib(device), "losses": losses,
-            "peak_flops": peak_flops_of(device), "notes": notes}
+            "peak_flops": peak_flops(device), "notes": notes}
 
 
 def run_child(name: str, work: Path) -> int:
