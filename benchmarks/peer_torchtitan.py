@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import functools
 import importlib
 import inspect
@@ -745,8 +744,6 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     print(f"torchtitan: {setup_s:.0f} s to its first step (imports, FLA's self-check, HF folder loaded and checked)",
           flush=True)
     rates, losses, first_step_s = [], [], None
-    if cuda:  # where its first step spends minutes (compile, kernel tuning): the stacks every 90 s until it ends
-        faulthandler.dump_traceback_later(90, repeat=True)
     for step, batch in enumerate(batches, 1):
         gc_handler.run(step)
         optimizers.zero_grad(set_to_none=True)
@@ -769,7 +766,6 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
             rates.append(inputs.numel() / (time.perf_counter() - start))
         losses.append(loss.item())
         if step == 1:
-            faulthandler.cancel_dump_traceback_later()
             first_step_s = time.perf_counter() - start
             print(f"torchtitan: first step {first_step_s:.0f} s (compile, kernel tuning), loss {losses[0]:.4f}",
                   flush=True)
