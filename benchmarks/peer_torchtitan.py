@@ -39,8 +39,10 @@ What each contender runs for `--steps` optimizer steps of `--batch` rows of `--s
   fp32 gradients); its chunked cross entropy, its fused AdamW (`OptimizersContainer`), its gradient clipping, its
   document masking (FlexAttention block mask, GDN state and conv reset per document). Its blocks compile with graph
   breaks around FLA's kernels, and before they are checkpointed (parallelize_one_gpu says why;
-  `--torchtitan-compile as-is` runs parallelize_qwen3_5 as it is). Where else this differs from its trainer, the
-  code says why.
+  `--torchtitan-compile as-is` runs parallelize_qwen3_5 as it is). Its compiled frames read the document boundaries
+  as a Python tuple and compile again for each new document count; past dynamo's recompile_limit (torch's 8 unless
+  `--torchtitan-recompile-limit`) they run uncompiled, which the output notes. Where else this differs from its
+  trainer, the code says why.
 - transformers: hf_baseline.py's loop (bf16 weights and AdamW states, grouped_mm experts, SDPA, FLA through
   transformers, not compiled; AC as gradient checkpointing per decoder layer) on plain rows: it attends across
   documents.
@@ -104,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="as-is: parallelize_qwen3_5 as it is (blocks checkpointed, then compiled with "
                              "fullgraph=True, which FLA 0.5.2's compile-disabled kernel refuses); graph-breaks: "
                              "blocks compiled with fullgraph=False, then checkpointed (parallelize_one_gpu)")
+    parser.add_argument("--torchtitan-recompile-limit", type=int, default=None,
+                        help="torch._dynamo.config.recompile_limit for torchtitan (default: torch's, 8): its "
+                             "compiled frames recompile per document count and past the limit run uncompiled")
     parser.add_argument("--work", default=None, help="folder for the shared inputs and the runs (default: a new one)")
     parser.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)  # one contender, in its own process
     parser.add_argument("overrides", nargs="*", help="our trainer's overrides, after --; the shapes, AC, compile and "
@@ -206,14 +211,24 @@ def launch(name: str, work: Path, torchtitan_site: str) -> dict:
                               stdout=out, stderr=subprocess.STDOUT).returncode
     print(f"  {LABELS[name]}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
     result = work / f"{name}.json"
-    if code == 0 and result.is_file():
-        return json.loads(result.read_text())
     lines = log.read_text(errors="replace").splitlines()
+    if code == 0 and result.is_file():
+        return {**(r := json.loads(result.read_text())), "notes": [*r.get("notes", []), *recompile_notes(lines)]}
     tail = lines[-25:]
     raised = [line for line in lines if re.search(r"\w(Error|Exception|Unsupported): ", line)]
     if raised and raised[-1] not in tail:  # the exception itself, above a long message
         tail = [raised[-1], "...", *tail]
     return {"error": tail, "exit": code}
+
+
+def recompile_notes(log: list[str]) -> list[str]:
+    """Where a contender's log says dynamo gave up compiling a frame: past torch's recompile_limit the frame runs
+    uncompiled for the rest of the run, which its figures then include."""
+    frames = [m.group(1) for line in log if (m := re.search(r"\[(\d+)/\d+\] torch._dynamo hit config.recompile_limit",
+                                                             line))]
+    reasons = [line.split("last reason:", 1)[1].strip() for line in log if "last reason:" in line]
+    return [f"dynamo hit its recompile_limit on {len(frames)} compiled frame(s), which then ran uncompiled; last "
+            f"reason: {reasons[-1] if reasons else 'not logged'}"] if frames else []
 
 
 def report(ns, spec: dict, results: dict[str, dict], flops: float, device: str) -> list[str]:
@@ -277,7 +292,7 @@ def main_parent(ns: argparse.Namespace) -> int:
             "adamw": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
             "schedule": {"warmup_steps": s.warmup_steps, "decay_ratio": s.decay_ratio, "decay_type": s.decay_type,
                          "min_lr_factor": s.min_lr_factor},
-            "torchtitan_compile": ns.torchtitan_compile}
+            "torchtitan_compile": ns.torchtitan_compile, "torchtitan_recompile_limit": ns.torchtitan_recompile_limit}
     (work / "spec.json").write_text(json.dumps(spec, indent=1))
     results = {}
     for name in CONTENDERS:
@@ -684,6 +699,8 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     device, folder = the_device(), Path(spec["folder"])
     if cuda:
         torch.cuda.set_device(device)
+    if spec.get("torchtitan_recompile_limit") is not None:  # raised as its gpt_oss raises it; its qwen3_5 does not
+        torch._dynamo.config.recompile_limit = spec["torchtitan_recompile_limit"]
     args = Qwen35MoeArgs.from_hf_config(folder)
     print(f"torchtitan: imports {time.perf_counter() - began:.0f} s", flush=True)
     if cuda:
@@ -773,7 +790,8 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     compiled = {"as-is": "its apply_compile as parallelize_qwen3_5 calls it (after AC, fullgraph=True)",
                 "graph-breaks": "its apply_compile with fullgraph=False (FLA's kernels between graphs), before AC",
                 }[spec["torchtitan_compile"]] if spec["compile"] else "off"
-    notes = [f"torch {torch.__version__}; stand-ins for what this torch lacks: {', '.join(stand_ins) or 'none'}",
+    notes = [f"torch {torch.__version__}; dynamo's recompile_limit {torch._dynamo.config.recompile_limit}; "
+             f"stand-ins for what this torch lacks: {', '.join(stand_ins) or 'none'}",
              f"FSDP2 on a one-rank mesh (resharding after forward, its default): fp32 parameters, "
              f"{'bf16 compute (every parameter cast, A_log and dt_bias too)' if cuda else 'fp32 compute'}, fp32 "
              f"gradients; AC {spec['ac']}; compile {compiled}; flex attention within documents, GDN state and conv "

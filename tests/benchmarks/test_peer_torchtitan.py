@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +32,21 @@ def test_report_keeps_the_others_when_one_contender_fails():
     assert "ratio ours / transformers loop: 2.00x" in text and "ours / torchtitan" not in text
     assert "transformers loop vs ours: max |loss difference| 0.20000 over 2 steps, 0.10000 at step 1" in text
     assert "  ours: a note" in text
+
+
+def test_a_frame_that_dynamo_gave_up_on_is_noted_from_its_own_warning(tmp_path):
+    """The log lines torch itself writes when a frame passes the recompile limit (a frame guarded on the length of
+    a tuple, as torchtitan's document boundaries), read back as the note the figures carry."""
+    script = tmp_path / "recompiles.py"
+    script.write_text("import torch\ntorch._dynamo.config.recompile_limit = 2\n"
+                      "f = torch.compile(lambda x, bounds: x * len(bounds), backend='eager')\n"
+                      "for n in range(1, 5):\n    f(torch.ones(2), tuple(range(n)))\n")
+    log = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stderr
+    peer = loaded("peer_torchtitan.py")
+    (note,) = peer.recompile_notes(log.splitlines())
+    assert note.startswith("dynamo hit its recompile_limit on 1 compiled frame(s), which then ran uncompiled; "
+                           "last reason: 0/1: len(bounds) == 2"), note
+    assert peer.recompile_notes(["torch._dynamo hit nothing"]) == []
 
 
 def test_results_of_earlier_invocations_count_only_with_the_same_settings(tmp_path):
