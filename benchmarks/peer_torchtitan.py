@@ -83,6 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("ours", "torchtitan", "transformers")
 LABELS = {"ours": "ours", "torchtitan": "torchtitan 0.3.0", "transformers": "transformers loop"}
 IGNORE_INDEX = -100
+TORCHTITAN_ONLY = ("torchtitan_compile", "torchtitan_recompile_limit")  # settings no other contender reads
 NO_DECAY = r"(norm\.weight|A_log|dt_bias)$"  # torchtitan's 1-D parameters: no weight decay, as ours
 
 
@@ -180,10 +181,15 @@ def shared_inputs(args, cfg, steps: int, work: Path) -> list[dict[str, torch.Ten
 
 
 def earlier_result(work: Path, name: str, spec: dict) -> dict | None:
-    """A contender's result from an earlier invocation on this work folder with the same settings, if any."""
+    """A contender's result from an earlier invocation on this work folder with the same settings, if any (the
+    settings of torchtitan's alone count for it alone)."""
     path = work / f"{name}.json"
     result = json.loads(path.read_text()) if path.is_file() else None
-    if result is None or result.get("spec") != json.loads(json.dumps(spec)):  # as the child stored it
+
+    def its(settings: dict) -> dict:
+        return {k: v for k, v in settings.items() if name == "torchtitan" or k not in TORCHTITAN_ONLY}
+
+    if result is None or its(result.get("spec", {})) != its(json.loads(json.dumps(spec))):  # as the child stored it
         return None
     return {**result, "notes": ["measured by an earlier invocation on this folder", *result.get("notes", [])]}
 

@@ -57,6 +57,12 @@ def test_results_of_earlier_invocations_count_only_with_the_same_settings(tmp_pa
                                                                       "folder", "n"]
     assert peer.earlier_result(tmp_path, "ours", {**spec, "ac": "full"}) is None
     assert peer.earlier_result(tmp_path, "torchtitan", spec) is None
+    # torchtitan's own settings: a rerun of it with its recompile limit raised keeps ours, not its own earlier run
+    tuned = {**spec, "torchtitan_recompile_limit": 64}
+    (tmp_path / "torchtitan.json").write_text(json.dumps({"tokens_per_sec": 1.0, "spec": spec}))
+    assert peer.earlier_result(tmp_path, "ours", tuned) is not None
+    assert peer.earlier_result(tmp_path, "torchtitan", tuned) is None
+    assert peer.earlier_result(tmp_path, "torchtitan", spec) is not None
 
 
 def test_only_names_contenders():
