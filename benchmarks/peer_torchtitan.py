@@ -219,7 +219,9 @@ def launch(name: str, work: Path, torchtitan_site: str) -> dict:
     result = work / f"{name}.json"
     lines = log.read_text(errors="replace").splitlines()
     if code == 0 and result.is_file():
-        return {**(r := json.loads(result.read_text())), "notes": [*r.get("notes", []), *recompile_notes(lines)]}
+        measured = json.loads(result.read_text())
+        measured["notes"] = [*measured.get("notes", []), *recompile_notes(lines)]
+        return measured
     tail = lines[-25:]
     raised = [line for line in lines if re.search(r"\w(Error|Exception|Unsupported): ", line)]
     if raised and raised[-1] not in tail:  # the exception itself, above a long message
@@ -230,10 +232,9 @@ def launch(name: str, work: Path, torchtitan_site: str) -> dict:
 def recompile_notes(log: list[str]) -> list[str]:
     """Where a contender's log says dynamo gave up compiling a frame: past torch's recompile_limit the frame runs
     uncompiled for the rest of the run, which its figures then include."""
-    frames = [m.group(1) for line in log if (m := re.search(r"\[(\d+)/\d+\] torch._dynamo hit config.recompile_limit",
-                                                             line))]
+    frames = sum(bool(re.search(r"\[\d+/\d+\] torch._dynamo hit config.recompile_limit", line)) for line in log)
     reasons = [line.split("last reason:", 1)[1].strip() for line in log if "last reason:" in line]
-    return [f"dynamo hit its recompile_limit on {len(frames)} compiled frame(s), which then ran uncompiled; last "
+    return [f"dynamo hit its recompile_limit on {frames} compiled frame(s), which then ran uncompiled; last "
             f"reason: {reasons[-1] if reasons else 'not logged'}"] if frames else []
 
 
@@ -616,11 +617,6 @@ def hf_source(name: str, hf: dict[str, torch.Tensor], args) -> torch.Tensor:
     return hf[p + "mlp.experts.gate_up_proj"][:, gate_or_up]
 
 
-def canonical(name: str) -> str:
-    """A parameter's name less the wrappers activation checkpointing and compile put in it."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def load_and_check(model, args, folder: Path) -> int:
     """Loads the HF folder into torchtitan's FSDP-wrapped model through its own state-dict adapter, then checks each
     parameter equal to the HF tensor it came from; returns how many it checked."""
@@ -629,6 +625,7 @@ def load_and_check(model, args, folder: Path) -> int:
     from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
 
     from models.qwen35_moe import load_hf_state_dict
+    from models.qwen35_moe.init import canonical_name  # less the wrappers AC and compile put in a name
 
     hf = load_hf_state_dict(folder)
     state = Qwen35StateDictAdapter(model.config, None).from_hf(torchtitan_input(hf))
@@ -636,9 +633,9 @@ def load_and_check(model, args, folder: Path) -> int:
     checked = 0
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param  # a one-rank mesh: the whole tensor
-        want = hf_source(canonical(name), hf, args)
+        want = hf_source(canonical_name(name), hf, args)
         if local.shape != want.shape or not torch.equal(local.detach(), want.to(local.device, local.dtype)):
-            raise SystemExit(f"torchtitan's {canonical(name)} is not the HF tensor it should come from")
+            raise SystemExit(f"torchtitan's {canonical_name(name)} is not the HF tensor it should come from")
         checked += 1
     return checked
 

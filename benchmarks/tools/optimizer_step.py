@@ -9,7 +9,8 @@ moments read, three written), and FastAdam's speed-up over each; all in one proc
 
 `--beside-gemms` then asks whether the step could hide behind compute: FastAdam's step alone, bf16 GEMMs of the
 lm_head's forward shape (8,192 tokens x 2,048 -> 248,320) alone, as many as take about as long, and both at once on
-two streams; it prints how many of the step's milliseconds the GEMMs hid and how much each slowed the other.
+two streams; it prints how many of the step's milliseconds the GEMMs hid and how much longer both take than
+the longer of the two alone.
 """
 
 from __future__ import annotations
