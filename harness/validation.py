@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.qwen35_moe.kernels.linear_cross_entropy import CHUNK_TOKENS
 from parallel.context_parallel import shard_zigzag
 from parallel.parallelize import reshard_fsdp
 
@@ -98,7 +99,7 @@ def draft_matches(model: nn.Module, inputs: dict, out) -> tuple[torch.Tensor, to
     model's keyword arguments, with `mtp_labels`): at each position t whose x_{t+2} target is valid, the MTP's argmax
     for x_{t+2} against the main model's argmax at t+1. Under context parallelism the main model's picks are
     gathered into whole rows for the shift to t+1, then this rank's chunks taken again."""
-    chunk = inputs.get("loss_chunk_tokens", 1024)
+    chunk = inputs.get("loss_chunk_tokens", CHUNK_TOKENS)
     main = _greedy(model.lm_head, out.hidden, chunk)
     draft = _greedy(model.lm_head, out.mtp_hidden[0], chunk)
     cp = model.context_parallel

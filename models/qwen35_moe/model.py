@@ -26,7 +26,7 @@ from .documents import DocumentLayout, document_layout
 from .gated_deltanet import CPAwareGatedDeltaNet
 from .hooks import UNSHARDED, BlockRunner, ContextParallel, MixedPrecision, ParallelHooks, ParamSharding, VocabParallel
 from .init import init_weights
-from .kernels.linear_cross_entropy import linear_cross_entropy_sum
+from .kernels.linear_cross_entropy import CHUNK_TOKENS, linear_cross_entropy_sum
 from .linear import Linear
 from .moe import RoutedExperts, RouterStats, SparseMoE, load_balancing_loss
 from .mtp import MultiTokenPredictor, shifted_ids
@@ -81,7 +81,7 @@ class LMHead(Linear):
         super().__init__(*args, **kwargs)
         self.vocab_parallel: VocabParallel | None = None
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 1024,
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = CHUNK_TOKENS,
                 ce_weight: torch.Tensor | None = None,
                 more: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ...] = ()):
         """h (N, D) -> logits (N, vocab), or given labels (N,) the summed cross entropy times `ce_weight`.
@@ -206,7 +206,7 @@ class Qwen35MoeModel(nn.Module):
         init_weights(self, seed, self.args.initializer_range, self.sharding)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_chunk_tokens: int = 1024,
+                labels: torch.Tensor | None = None, loss_chunk_tokens: int = CHUNK_TOKENS,
                 layout: DocumentLayout | None = None, ce_weight: torch.Tensor | None = None,
                 mtp: bool = False, mtp_input_ids: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
                 mtp_ce_weights: torch.Tensor | None = None, return_hidden: bool = False) -> CausalLMOutput:

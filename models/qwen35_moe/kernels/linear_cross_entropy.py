@@ -27,6 +27,10 @@ import torch
 from ..fp32_contract import at_least_fp32
 
 IGNORE_INDEX = -100
+# Tokens per chunk of the loss (training.loss_chunk_tokens' default). A chunk holds ~4 B x vocabulary per token on an
+# H200 (+1.0 GiB per 1024 tokens of 248k); 2048 ran 1.027x 1024's tokens/s and 4096 1.037x, at 8 layers / 32
+# experts of 35B-A3B's widths (docs/performance.md, "The loss chunk"): fewer, larger lm_head GEMMs.
+CHUNK_TOKENS = 2048
 
 
 def _use_kernel(logits: torch.Tensor) -> bool:
@@ -205,7 +209,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int = 1024, vocab=None, scale: torch.Tensor | None = None,
+                             chunk_tokens: int = CHUNK_TOKENS, vocab=None, scale: torch.Tensor | None = None,
                              weight_in_h_dtype: torch.Tensor | None = None) -> torch.Tensor:
     """sum over tokens of cross_entropy(h @ weight.T, labels), labels == -100 ignored; h (N, D), weight (V, D),
     labels (N,). Returns an fp32 scalar (fp64 for fp64 inputs). chunk_tokens <= 0: all tokens in one chunk. The
