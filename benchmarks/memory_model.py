@@ -107,7 +107,8 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
         activations = tokens * (layers * LAYER_BYTES + gdn_layers * fla_state_bytes(args))
     else:
         activations = tokens * (WORKING_BYTES + layers * 2 * 2 * args.hidden_size)
-    chunk = (s.loss_chunk - FITTED_CHUNK) * args.vocab_size * LOGIT_BYTES
+    chunk_tokens = min(s.loss_chunk, tokens) if s.loss_chunk > 0 else tokens  # 0: all the rank's tokens at once
+    chunk = (chunk_tokens - FITTED_CHUNK) * args.vocab_size * LOGIT_BYTES
     return (states + gathered + activations + chunk) / GIB + FIXED_GIB
 
 
