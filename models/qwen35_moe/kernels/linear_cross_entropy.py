@@ -169,6 +169,7 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk:
         if want_grads:
             _matmul_into(grad_h[start:start + chunk], dlogits, weight, accumulate=False)
             _matmul_into(grad_w, dlogits.t(), hs, accumulate=start > 0)
+        del dlogits  # freed before the next chunk's logits are made: one chunk's alive at a time, not two
     if vocab is None:
         return losses.sum(), grad_h, grad_w
     return vocab.own(losses).sum(), None if grad_h is None else vocab.scatter_sum(grad_h), grad_w
