@@ -49,8 +49,9 @@ WORKING_BYTES = 367_000  # per token: (34.7 - 23.0) GiB / 32k tokens, less the 4
 GATHER_BYTES = 5  # per block parameter: (39.3 - 37.4) GiB / the 403M expert parameters EP=2 does not gather
 FIXED_GIB = 0.8  # 23.0 GiB at 32k less the states (10.1 GiB), the gathered block (0.4 GiB) and the activations
 LAYER_BYTES = 263_000  # per token and block without AC: 8 layers, 32 experts, 8k tokens on one GPU, 49.1 GiB
-FITTED_CHUNK = 1024  # training.loss_chunk_tokens of every peak in MEASURED: FIXED_GIB holds one such chunk
-LOGIT_BYTES = 4  # per token of the loss chunk and vocabulary entry: +1.0 GiB per 1024 tokens of 248k, measured
+FITTED_LOGITS = 2048  # tokens of logits alive at the loss in every peak of MEASURED (FIXED_GIB holds them): two
+# chunks of 1024, each chunk's held through the next until df678e8, as one chunk of 2048 holds now
+LOGIT_BYTES = 2  # per token of the loss chunk and vocabulary entry: bf16 logits, their gradient written in place
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,13 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     else:
         activations = tokens * (WORKING_BYTES + layers * 2 * 2 * args.hidden_size)
     chunk_tokens = min(s.loss_chunk, tokens) if s.loss_chunk > 0 else tokens  # 0: all the rank's tokens at once
-    chunk = (chunk_tokens - FITTED_CHUNK) * args.vocab_size * LOGIT_BYTES
+    chunk = (chunk_tokens - FITTED_LOGITS) * args.vocab_size * LOGIT_BYTES
     return (states + gathered + activations + chunk) / GIB + FIXED_GIB
 
 
 def Fitted(**kwargs) -> Setup:  # noqa: N802 (reads as the Setup it makes)
-    """A setup as the peaks below were measured: the loss chunk of the time."""
-    return Setup(loss_chunk=FITTED_CHUNK, **kwargs)
+    """A setup as the peaks below were measured: the logits their loss held (FITTED_LOGITS)."""
+    return Setup(loss_chunk=FITTED_LOGITS, **kwargs)
 
 
 # Peaks measured on H200s (benchmarks/train_throughput.py and hf_baseline.py, qwen35_moe.toml otherwise: full AC,

@@ -84,10 +84,10 @@ class Training:
     # default. 0: the MTP layers are neither run nor trained, carried frozen from the initial weights to the export.
     mtp_loss_coef: float = 0.1
     # Cross entropy this many tokens at a time (per rank), never holding the whole (tokens x vocab) logits;
-    # 0 = all at once. The peak grows ~4 bytes x vocab per chunk token on CUDA (+1.0 GiB per 1024 tokens of a 248k
-    # vocab, measured), more elsewhere. The default is models/qwen35_moe/kernels/linear_cross_entropy.py's
-    # CHUNK_TOKENS; 4096 runs ~1% faster for 1.9 GiB more (docs/performance.md, "The loss chunk").
-    loss_chunk_tokens: int = 2048
+    # 0 = all at once. The peak grows 2 bytes x vocab per chunk token on CUDA (0.5 GiB per 1024 tokens of a 248k
+    # vocab), more elsewhere. The default is models/qwen35_moe/kernels/linear_cross_entropy.py's CHUNK_TOKENS;
+    # 1024 holds 1.4 GiB less and runs ~4% slower (docs/performance.md, "The loss chunk").
+    loss_chunk_tokens: int = 4096
     # Python's cyclic garbage collector runs every N steps (its young generations), not whenever allocations
     # trigger it: a collection pauses the host mid-step, and with the GPU fed by the host (compile.enable) that
     # stalls the GPU too. 0 = Python's own schedule.

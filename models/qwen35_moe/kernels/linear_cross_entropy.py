@@ -27,10 +27,11 @@ import torch
 from ..fp32_contract import at_least_fp32
 
 IGNORE_INDEX = -100
-# Tokens per chunk of the loss (training.loss_chunk_tokens' default). A chunk holds ~4 B x vocabulary per token on an
-# H200 (+1.0 GiB per 1024 tokens of 248k); 2048 ran 1.027x 1024's tokens/s and 4096 1.037x, at 8 layers / 32
-# experts of 35B-A3B's widths (docs/performance.md, "The loss chunk"): fewer, larger lm_head GEMMs.
-CHUNK_TOKENS = 2048
+# Tokens per chunk of the loss (training.loss_chunk_tokens' default). A chunk holds 2 B x vocabulary per token on
+# CUDA (bf16 logits, their gradient written in place: 1.9 GiB for 4096 tokens of 248k); 4096 ran 1.040x 1024's
+# tokens/s and 1.015x 2048's, at 8 layers / 32 experts of 35B-A3B's widths (docs/performance.md, "The loss chunk"):
+# fewer, larger lm_head GEMMs, and fewer passes of the weight gradient's fp32 accumulation.
+CHUNK_TOKENS = 4096
 
 
 def _use_kernel(logits: torch.Tensor) -> bool:
