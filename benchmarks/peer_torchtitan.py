@@ -41,8 +41,8 @@ What each contender runs for `--steps` optimizer steps of `--batch` rows of `--s
   breaks around FLA's kernels, and before they are checkpointed (parallelize_one_gpu says why;
   `--torchtitan-compile as-is` runs parallelize_qwen3_5 as it is). Its compiled frames read the document boundaries
   as a Python tuple and compile again for each new document count; past dynamo's recompile_limit (torch's 8 unless
-  `--torchtitan-recompile-limit`) they run uncompiled, which the output notes. Where else this differs from its
-  trainer, the code says why.
+  `--torchtitan-recompile-limit`) they run uncompiled, which the output notes, as it notes the graphs compiled
+  inside timed steps and the slowest timed step. Where else this differs from its trainer, the code says why.
 - transformers: hf_baseline.py's loop (bf16 weights and AdamW states, grouped_mm experts, SDPA, FLA through
   transformers, not compiled; AC as gradient checkpointing per decoder layer) on plain rows: it attends across
   documents.
@@ -236,6 +236,20 @@ def recompile_notes(log: list[str]) -> list[str]:
     reasons = [line.split("last reason:", 1)[1].strip() for line in log if "last reason:" in line]
     return [f"dynamo hit its recompile_limit on {frames} compiled frame(s), which then ran uncompiled; last "
             f"reason: {reasons[-1] if reasons else 'not logged'}"] if frames else []
+
+
+def timed_steps_note(rates: list[float], graphs: list[int], warmup: int) -> str:
+    """The timed steps' spread and the dynamo graphs compiled inside them: `rates` the timed steps' tokens/s (steps
+    warmup + 1 ...), `graphs` the graphs compiled during each step of the run (step 1 first). A frame guarded on the
+    document count compiles again inside the step that first brings a new count."""
+    slowest = min(range(len(rates)), key=rates.__getitem__)
+    line = (f"timed steps: median {statistics.median(rates):,.0f} tok/s, slowest {rates[slowest]:,.0f} "
+            f"(step {warmup + 1 + slowest}); ")
+    timed = [(step, n) for step, n in enumerate(graphs, 1) if step > warmup and n]
+    if not timed:
+        return line + "no dynamo graph compiled in them"
+    return line + (f"dynamo compiled {sum(n for _, n in timed)} graph(s) in {len(timed)} of them (step: graphs "
+                   + ", ".join(f"{step}: {n}" for step, n in timed) + ")")
 
 
 def report(ns, spec: dict, results: dict[str, dict], flops: float, device: str) -> list[str]:
@@ -686,6 +700,7 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     cuda = torch.cuda.is_available()
     if not cuda:
         run_on_cpu()
+    from torch._dynamo.utils import counters as dynamo_counters
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import (LRSchedulersContainer, OptimizersContainer, ParamGroupConfig,
                                                  register_moe_load_balancing_hook)
@@ -763,8 +778,9 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
     setup_s = time.perf_counter() - began
     print(f"torchtitan: {setup_s:.0f} s to its first step (imports, FLA's self-check, HF folder loaded and checked)",
           flush=True)
-    rates, losses, first_step_s = [], [], None
+    rates, losses, graphs, first_step_s = [], [], [], None
     for step, batch in enumerate(batches, 1):
+        graphs_before = dynamo_counters["stats"]["unique_graphs"]
         gc_handler.run(step)
         optimizers.zero_grad(set_to_none=True)
         inputs, labels, positions = (batch[k].to(device) for k in ("input_ids", "labels", "position_ids"))
@@ -785,6 +801,7 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
         if step > spec["warmup"]:
             rates.append(inputs.numel() / (time.perf_counter() - start))
         losses.append(loss.item())
+        graphs.append(dynamo_counters["stats"]["unique_graphs"] - graphs_before)
         if step == 1:
             first_step_s = time.perf_counter() - start
             print(f"torchtitan: first step {first_step_s:.0f} s (compile, kernel tuning), loss {losses[0]:.4f}",
@@ -801,9 +818,9 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
              f"reset per document; chunked cross entropy; {'fused' if cuda else 'for-loop'} AdamW; no expert bias",
              f"HF folder loaded through its Qwen35StateDictAdapter.from_hf: {checked} parameters checked equal to "
              f"the HF tensors they came from",
-             f"{setup_s:.0f} s from its start to its first step, which took {first_step_s:.0f} s (its compile, "
-             f"FlexAttention with max_autotune and coordinate descent tuning as torchtitan ships it, FLA 0.5.2's "
-             f"autotuning)"]
+             f"{setup_s:.0f} s from its start to its first step, which took {first_step_s:.0f} s" + (
+                 " (its compile, FlexAttention with max_autotune and coordinate descent tuning as torchtitan ships "
+                 "it, FLA 0.5.2's autotuning)" if cuda else ""), timed_steps_note(rates, graphs, spec["warmup"])]
     if not cuda:  # why its losses differ from ours on CPU, in the fourth or fifth digit
         notes.append("its grouped GEMMs run the routed experts in bf16 on any device")
     return {"tokens_per_sec": statistics.median(rates), "max_memory_gib": max_memory_gib(device), "losses": losses,

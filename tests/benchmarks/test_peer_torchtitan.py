@@ -141,3 +141,22 @@ def test_one_reduce_of_fp32_and_bf16_gradients_gets_them_in_fp32():
     assert seen == [([torch.float32, torch.float32], ("group",))] and grads[0].dtype == torch.float32
     reduce(["a"], [torch.ones(1, dtype=torch.bfloat16)])
     assert seen[-1][0] == [torch.bfloat16]  # uniform: untouched
+
+
+def test_the_timed_steps_note_names_the_graphs_compiled_inside_them():
+    """torchtitan's frames compile again for each new document count: the note says in which timed steps, from the
+    counts of graphs dynamo captured per step (here a frame guarded on a tuple's length, as its boundaries are)."""
+    from torch._dynamo.utils import counters
+
+    peer = loaded("peer_torchtitan.py")
+    f = torch.compile(lambda x, bounds: x * len(bounds), backend="eager")
+    graphs = []
+    for count in (3, 4, 3, 3, 5, 3):  # steps 1-6; steps 3-6 timed, step 5 brings a new count
+        before = counters["stats"]["unique_graphs"]
+        f(torch.ones(2), tuple(range(count)))
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs[2:] == [0, 0, 1, 0]
+    note = peer.timed_steps_note([900.0, 1000.0, 50.0, 1100.0], graphs, warmup=2)
+    assert note == ("timed steps: median 950 tok/s, slowest 50 (step 5); dynamo compiled 1 graph(s) in 1 of them "
+                    "(step: graphs 5: 1)")
+    assert peer.timed_steps_note([1000.0, 990.0], [2, 1, 0, 0], warmup=2).endswith("no dynamo graph compiled in them")
