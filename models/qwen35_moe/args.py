@@ -14,6 +14,11 @@ from typing import Any
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # multimodal release, text-only export
+# Sizes that must be at least 1 (a config.json's 0 or negative one would fail deep inside torch)
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+          "linear_conv_kernel_dim", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 @dataclass
@@ -74,7 +79,7 @@ class Qwen35MoeArgs:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.layer_types is None:
+        if self.layer_types is None and self.full_attention_interval >= 1:  # below 1: validate names it
             self.layer_types = [
                 FULL_ATTENTION if (i + 1) % self.full_attention_interval == 0 else LINEAR_ATTENTION
                 for i in range(self.num_hidden_layers)
@@ -82,7 +87,11 @@ class Qwen35MoeArgs:
         self.validate()
 
     def validate(self) -> None:
-        problems = []
+        problems = [f"{name} must be >= 1, got {getattr(self, name)}" for name in _SIZES if getattr(self, name) < 1]
+        if self.layer_types is None:
+            problems.append(f"full_attention_interval must be >= 1, got {self.full_attention_interval}")
+        if problems:  # before the checks below divide by them
+            raise ValueError("invalid Qwen3.5-MoE args: " + "; ".join(problems))
         if len(self.layer_types) != self.num_hidden_layers:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
@@ -128,7 +137,15 @@ class Qwen35MoeArgs:
             if not path.is_file():
                 raise FileNotFoundError(f"no transformers config.json at {path}")
             config = json.loads(path.read_text())
-        text = dict(config.get("text_config") or config)
+        if not isinstance(config, dict):
+            raise ValueError(f"a config.json holds a JSON object, not a JSON {type(config).__name__}")
+        model_type = config.get("model_type")
+        if model_type is not None and model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not a Qwen3.5-MoE model (one of {', '.join(MODEL_TYPES)})")
+        text = config.get("text_config") or config
+        if not isinstance(text, dict):
+            raise ValueError(f"text_config is a JSON {type(text).__name__}, not an object")
+        text = dict(text)
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -140,6 +157,10 @@ class Qwen35MoeArgs:
                 kwargs[key] = rope[key]
         if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
             kwargs["tie_word_embeddings"] = config["tie_word_embeddings"]
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        wrong = [f"{k} = {v!r} is not {types[k]}" for k, v in kwargs.items() if not _fits(v, types[k])]
+        if wrong:  # before any arithmetic on them: a string or a list where a size belongs
+            raise ValueError("invalid Qwen3.5-MoE config: " + "; ".join(wrong))
         return cls(**kwargs)
 
     def to_hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -164,3 +185,20 @@ class Qwen35MoeArgs:
             if f.name not in skip:
                 cfg[f.name] = getattr(self, f.name)
         return cfg
+
+
+def _fits(value: Any, annotation: str) -> bool:
+    """Whether a config.json value fits a field's annotation (as written in this file: `int`, `float`, `bool`,
+    `str`, `None`, `list[...]` and unions of them); an int fits `float`, a bool fits only `bool`."""
+    for part in (p.strip() for p in annotation.split("|")):
+        if part == "None" and value is None or part == "bool" and isinstance(value, bool):
+            return True
+        if isinstance(value, bool):
+            continue
+        if part == "int" and isinstance(value, int) or part == "float" and isinstance(value, (int, float)):
+            return True
+        if part == "str" and isinstance(value, str):
+            return True
+        if part.startswith("list[") and isinstance(value, list) and all(_fits(v, part[5:-1]) for v in value):
+            return True
+    return False

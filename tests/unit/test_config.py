@@ -267,6 +267,18 @@ def test_a_malformed_file_keeps_its_line_beside_the_command_lines_problems(toml_
     assert "broken.toml: invalid TOML" in e.value.problems[1] and "line 3" in e.value.problems[1]
 
 
+def test_a_model_hf_config_of_another_model_is_named_beside_the_other_problems(tmp_path):
+    from harness.config import check_launch
+
+    other = tmp_path / "config.json"
+    other.write_text('{"model_type": "llama", "hidden_size": 64}')  # defaults for the rest: a 40-layer model
+    with pytest.raises(ConfigError) as e:
+        check_launch(with_default_config(["--training.stesp", "3", "--model.hf_config", str(other)]), world_size=1)
+    assert len(e.value.problems) == 2 and "did you mean --training.steps?" in e.value.problems[0]
+    assert e.value.problems[1] == (f"model.hf_config {str(other)!r}: model_type 'llama' is not a Qwen3.5-MoE model "
+                                   "(one of qwen3_5_moe, qwen3_5_moe_text)")
+
+
 def test_a_refused_value_is_not_judged_again_through_its_default():
     """training.steps 'q' leaves the default 10 in its place: the warmup-into-decay check (which reads steps) and the
     batch layout (which reads local_batch_size) would judge values nobody gave, so they are skipped."""

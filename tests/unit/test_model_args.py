@@ -120,6 +120,33 @@ def test_invalid_shapes_are_rejected():
         get_flavor("7B")
 
 
+@pytest.mark.parametrize("config, named", [
+    ({**TINY_HF_CONFIG, "model_type": "llama"}, "model_type 'llama' is not a Qwen3.5-MoE model"),
+    ([TINY_HF_CONFIG], "holds a JSON object, not a JSON list"),
+    ({"model_type": "qwen3_5_moe", "text_config": "x"}, "text_config is a JSON str"),
+    ({**TINY_HF_CONFIG, "hidden_size": "64", "layer_types": [1]}, "hidden_size = '64' is not int; layer_types"),
+    ({**TINY_HF_CONFIG, "num_experts": True}, "num_experts = True is not int"),
+    ({**TINY_HF_CONFIG, "hidden_size": -8, "num_key_value_heads": 0}, "hidden_size must be >= 1, got -8; "
+                                                                      "num_key_value_heads must be >= 1, got 0"),
+])
+def test_a_config_json_of_another_model_or_with_values_that_do_not_fit_is_a_value_error_naming_them(config, named,
+                                                                                                   tmp_path):
+    """Not a traceback from deep inside torch (or a 40-layer model built from defaults) once the run has started:
+    run_requirements turns the ValueError into the launch's one error line."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        Qwen35MoeArgs.from_hf_config(tmp_path / "config.json")
+    assert named in str(e.value)
+
+
+def test_a_full_attention_interval_below_1_is_named_not_divided_by():
+    cfg = {k: v for k, v in TINY_HF_CONFIG.items() if k != "layer_types"}
+    with pytest.raises(ValueError, match="full_attention_interval must be >= 1, got 0"):
+        Qwen35MoeArgs.from_hf_config({**cfg, "full_attention_interval": 0})
+
+
 def test_meta_init_gives_hf_like_init():
     model = initialized_model(get_flavor("debugmodel"))
     gdn = model.layers["0"].linear_attn
