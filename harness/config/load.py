@@ -81,6 +81,8 @@ def parse_config(argv: list[str]) -> ParsedConfig:
     try:
         file_paths = _apply_file(config_path, parsed) if config_path is not None else {}
     except ConfigError as unreadable:
+        for key, value, given_as in overrides:  # each command-line value is still read as its key's type
+            _set(parsed, key, value, from_cli=True, source=COMMAND_LINE, given_as=given_as)
         raise ConfigError([*parsed.problems, *unreadable.problems]) from None
     for key, value, given_as in overrides:
         if _set(parsed, key, value, from_cli=True, source=COMMAND_LINE, given_as=given_as):

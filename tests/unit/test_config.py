@@ -267,6 +267,14 @@ def test_a_malformed_file_keeps_its_line_beside_the_command_lines_problems(toml_
     assert "broken.toml: invalid TOML" in e.value.problems[1] and "line 3" in e.value.problems[1]
 
 
+def test_a_malformed_file_keeps_the_command_lines_wrong_values_beside_it(toml_file):
+    path = toml_file("[training\nsteps = 5\n", name="broken.toml")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config", path, "--optimizer.lr", "abc", "--training.steps", "3"])
+    assert e.value.problems[0] == "command line: optimizer.lr = 'abc' is not a number"
+    assert len(e.value.problems) == 2 and "broken.toml: invalid TOML" in e.value.problems[1]
+
+
 def test_a_model_hf_config_of_another_model_is_named_beside_the_other_problems(tmp_path):
     from harness.config import check_launch
 
