@@ -66,13 +66,23 @@ def _rank_world() -> tuple[int, int]:
 def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     """Set the model's weights (sharded or not) from an HF checkpoint folder, one tensor at a time."""
     rank, world = _rank_world()
-    _, read = hf_native_tensors(path, args)
+    problem = None
+    try:  # from the headers alone: every rank reads the same, and all of them stop together
+        _, read = hf_native_tensors(path, args)
+    except (OSError, ValueError) as e:  # a damaged folder, or one of another model
+        problem = f"checkpoint.initial_load_hf {path}: {e}"
+    problem = agreed(problem)
+    if problem is not None:
+        raise CheckpointError(problem, every_rank=True)
     params = {canonical_name(name): p for name, p in model.named_parameters()
               if not is_adapter_key(name)}  # LoRA's adapters: not the base's (models/qwen35_moe/lora.py)
     for key, param in params.items():
         local = param.to_local() if isinstance(param, DTensor) else param
         if rank == 0:
-            full = read(key).to(local.device, param.dtype)
+            try:
+                full = read(key).to(local.device, param.dtype)
+            except (OSError, ValueError) as e:  # the headers read, the data not: rank 0's alone
+                raise CheckpointError(f"checkpoint.initial_load_hf {path}: {e}") from None
         else:
             full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
         if isinstance(param, DTensor):  # rank 0's tensor, scattered: each rank receives its own shard

@@ -39,7 +39,13 @@ class HFCheckpointReader:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         if (folder / INDEX_FILE).is_file():
-            weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+            try:
+                weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+                if not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("a file name that is not a string")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{folder / INDEX_FILE} is not a safetensors index (a JSON object whose weight_map "
+                                 f"maps tensor names to file names): {type(e).__name__}: {e}") from None
         elif (folder / SINGLE_FILE).is_file():
             weight_map = None
         else:

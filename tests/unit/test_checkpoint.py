@@ -5,6 +5,7 @@ latest, clear errors that leave the folder as it was, the fp32 contract through 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,50 @@ def test_converter_rejects_a_folder_without_dcp_metadata(tmp_path, capsys):
     assert convert_main([str(tmp_path / "checkpoint"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no .metadata" in err and "name one of them" in err
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """The HF folder a one-step run exports."""
+    dump = tmp_path_factory.mktemp("exported")
+    assert run(dump, "--training.steps", "1", "--checkpoint.enable", "false") == 0
+    return dump / "hf"
+
+
+def _wrong_shape(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    key = next(k for k in sorted(tensors) if k.endswith("q_proj.weight"))
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _truncated(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def _index_without_weight_map(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
+
+
+@pytest.mark.parametrize("damage, named", [(_wrong_shape, "wrong shapes: layers.3.self_attn.q_proj.weight"),
+                                           (_truncated, "cannot read"),
+                                           (_index_without_weight_map, "is not a safetensors index")])
+def test_an_hf_folder_to_start_from_that_does_not_fit_is_one_error_line(exported, tmp_path, capsys, damage, named):
+    """checkpoint.initial_load_hf holding another model's tensors, a cut-off file or a broken index: exit 2 with one
+    line naming the key and the folder, not a traceback of the model's build."""
+    folder = tmp_path / "hf"
+    shutil.copytree(exported, folder)
+    damage(folder)
+    capsys.readouterr()
+    assert run(tmp_path / "o", "--training.steps", "1", "--checkpoint.initial_load_hf", str(folder)) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors[0].startswith(f"error: checkpoint.initial_load_hf {folder}: ") and named in errors[0], err[-2000:]
+    assert len(errors) == 1 and "Traceback" not in err
 
 
 def test_async_saves_complete_and_resume_like_sync_ones(tmp_path, deterministic):
