@@ -72,7 +72,11 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     if not (step_dir / ".metadata").is_file():
         hint = " (it holds step-N folders: name one of them)" if any(step_dir.glob("step-*")) else ""
         raise ConvertError(f"{step_dir} is not a DCP checkpoint step folder: it has no .metadata{hint}")
-    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    try:
+        metadata = FileSystemReader(str(step_dir)).read_metadata()
+    except Exception as e:  # a truncated or foreign .metadata: unpickling raises many types
+        raise ConvertError(f"{step_dir / '.metadata'} is unreadable ({type(e).__name__}: {e}): a damaged or partial "
+                           "checkpoint; convert another step") from None
     saved = model_tensors(metadata)
     lora = bool(saved) and all(map(is_adapter_key, saved))  # a LoRA run saves its adapters only
     if base is not None and not lora:
@@ -85,8 +89,11 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     if not (meta_dir / "config.json").is_file():
         raise ConvertError(f"{meta_dir / 'config.json'} is missing: the trainer writes it beside every checkpoint; "
                            "was this folder saved by another program?")
-    config = json.loads((meta_dir / "config.json").read_text())
-    args = Qwen35MoeArgs.from_hf_config(config)  # bos / eos ids included
+    try:
+        config = json.loads((meta_dir / "config.json").read_text())
+        args = Qwen35MoeArgs.from_hf_config(config)  # bos / eos ids included
+    except ValueError as e:  # bad JSON, or not a config of this model
+        raise ConvertError(f"{meta_dir / 'config.json'}: {e}") from None
     export_dtype = DTYPES[dtype or config.get("dtype", "bfloat16")]
 
     def read(key: str) -> torch.Tensor:  # one native tensor: DCP reads only it (never the optimizer state)
@@ -201,21 +208,48 @@ def verify(step_dir: Path) -> None:
         raise ConvertError(f"checkpoint {step_dir} failed verification: {problem}; convert another step")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is bad input like any other: one `error:` line, exit 2 (argparse's own is a usage
+    block and a `prog: error:` line)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (python -m harness.convert --help lists the arguments)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _shard_gib(text: str) -> float | None:
+    """The --max-shard-gib value; None if it is not a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < float("inf") else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.convert", description=__doc__.split("\n\n")[0],
-                                     epilog="Reading a checkpoint unpickles its DCP .metadata (torch's format): a "
-                                     "checkpoint from someone else is code; convert only your own or ones you trust.")
+    parser = _Parser(prog="python -m harness.convert", description=__doc__.split("\n\n")[0],
+                     epilog="Reading a checkpoint unpickles its DCP .metadata (torch's format): a "
+                     "checkpoint from someone else is code; convert only your own or ones you trust.")
     parser.add_argument("step_dir", help="a checkpoint step folder, <dump_folder>/checkpoint/step-N")
     parser.add_argument("out_dir", help="the Hugging Face folder to write: a new or empty folder, or an earlier export "
                         "(replaced); never the run's folder or any other folder of files")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+    parser.add_argument("--dtype", default=None, metavar="{" + ",".join(DTYPES) + "}",
                         help="export dtype (default: the run's checkpoint.export_dtype)")
-    parser.add_argument("--max-shard-gib", type=float, default=5.0, help="largest output shard (default 5)")
+    parser.add_argument("--max-shard-gib", default="5", help="largest output shard (default 5)")
     parser.add_argument("--base", default=None, help="a LoRA run's checkpoint: the HF folder of the base its adapters "
                         "were trained on (default: where the run loaded it from; its digest must be the saved one)")
     args = parser.parse_args(argv)
+    shard_gib = _shard_gib(args.max_shard_gib)
+    problems = []  # every one at once, as the trainer names a config's
+    if args.dtype is not None and args.dtype not in DTYPES:
+        problems.append(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    if shard_gib is None:
+        problems.append(f"--max-shard-gib {args.max_shard_gib!r} is not a positive number of GiB")
+    if problems:
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     try:
-        out = convert(args.step_dir, args.out_dir, args.dtype, args.max_shard_gib, args.base)
+        out = convert(args.step_dir, args.out_dir, args.dtype, shard_gib, args.base)
     except (ConvertError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -191,6 +191,29 @@ def test_converter_rejects_a_folder_without_dcp_metadata(tmp_path, capsys):
     assert err.startswith("error: ") and "no .metadata" in err and "name one of them" in err
 
 
+def test_converter_refuses_a_step_whose_metadata_is_damaged_in_one_line(tmp_path, capsys):
+    """A cut-off or foreign .metadata (unpickling fails) is named before anything is written, not a traceback."""
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / ".metadata").write_bytes(b"\x80\x04\x95")  # a pickle cut off after its header
+    assert convert_main([str(tmp_path / "step-3"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and ".metadata is unreadable" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_converter_names_every_bad_argument_in_one_line(tmp_path, capsys):
+    assert convert_main([str(tmp_path / "step-1"), str(tmp_path / "out"), "--dtype", "int8",
+                         "--max-shard-gib", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --dtype 'int8' is not one of float32, bfloat16, float16; --max-shard-gib '-1' is not a positive "
+        "number of GiB"]
+    with pytest.raises(SystemExit) as e:  # argparse's own findings: one line too, not its usage block
+        convert_main([str(tmp_path / "step-1")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: the following arguments are required: out_dir (python -m harness.convert --help lists the arguments)"]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
     """The HF folder a one-step run exports."""
