@@ -111,22 +111,40 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake: one `error:` line and exit 2, as for any other bad input (not argparse's usage block)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (--help lists the arguments)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--train", type=int, default=4000, help="conversations in train.jsonl")
     ap.add_argument("--val", type=int, default=200, help="conversations in val.jsonl")
     ap.add_argument("--out", default=str(REPO / "data" / "debug_chat"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    counts = (("train", args.train), ("val", args.val))
+    negative = [f"--{flag} must be 0 or more, got {n}" for flag, n in counts if n < 0]
+    if negative:
+        print(f"error: {'; '.join(negative)}", file=sys.stderr)
+        return 2
     out = Path(args.out)
-    write_tokenizer(out / "tokenizer")
-    r = random.Random(args.seed)
-    for name, count in (("train.jsonl", args.train), ("val.jsonl", args.val)):
-        with open(out / name, "w", encoding="utf-8", newline="\n") as f:
-            for _ in range(count):
-                f.write(json.dumps(conversation(r)) + "\n")
-        print(f"wrote {count} conversations, {(out / name).stat().st_size} bytes to {out / name}")
+    try:
+        write_tokenizer(out / "tokenizer")
+        r = random.Random(args.seed)
+        for name, count in (("train.jsonl", args.train), ("val.jsonl", args.val)):
+            with open(out / name, "w", encoding="utf-8", newline="\n") as f:
+                for _ in range(count):
+                    f.write(json.dumps(conversation(r)) + "\n")
+            print(f"wrote {count} conversations, {(out / name).stat().st_size} bytes to {out / name}")
+    except OSError as e:  # an output folder that cannot be made or written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

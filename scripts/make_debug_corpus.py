@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 NAMES = ["Anna", "Ben", "Clara", "David", "Ella", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Max",
@@ -129,20 +130,36 @@ def generate(seed: int, target_bytes: int) -> list[str]:
     return docs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake: one `error:` line and exit 2, as for any other bad input (not argparse's usage block)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (--help lists the arguments)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--target-bytes", type=int, default=1_000_000)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "data" / "debug_corpus"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.target_bytes < 1:
+        print(f"error: --target-bytes must be positive, got {args.target_bytes}", file=sys.stderr)
+        return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     docs = generate(args.seed, args.target_bytes)
-    with open(out / "train.jsonl", "w", encoding="utf-8", newline="\n") as f:
-        for doc in docs:
-            f.write(json.dumps({"text": doc}) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "train.jsonl", "w", encoding="utf-8", newline="\n") as f:
+            for doc in docs:
+                f.write(json.dumps({"text": doc}) + "\n")
+    except OSError as e:  # an output folder that cannot be made or written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {len(docs)} documents, {(out / 'train.jsonl').stat().st_size} bytes to {out / 'train.jsonl'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -47,6 +47,7 @@ sizes without writing anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -124,10 +125,11 @@ def release_config(text_overrides: dict | None = None, vision_overrides: dict | 
     rope = {**RELEASE_TEXT_CONFIG["rope_parameters"], **text_overrides.pop("rope_parameters", {})}
     rope["partial_rotary_factor"] = text_overrides.get("partial_rotary_factor", rope["partial_rotary_factor"])
     text = {**RELEASE_TEXT_CONFIG, **text_overrides, "rope_parameters": rope}
-    if "layer_types" not in text:
-        interval = text["full_attention_interval"]
+    # Derived only from integer values; others are named by the model's args (tensor_specs), not failed on here.
+    interval, layers = text["full_attention_interval"], text["num_hidden_layers"]
+    if "layer_types" not in text and isinstance(interval, int) and isinstance(layers, int) and interval > 0:
         text["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                               for i in range(text["num_hidden_layers"])]
+                               for i in range(layers)]
     vision = {**RELEASE_VISION_CONFIG, "out_hidden_size": text["hidden_size"], **vision_overrides}
     return {**RELEASE_TOP_LEVEL, "text_config": text, "vision_config": vision}
 
@@ -149,9 +151,12 @@ def vision_specs(vision_config: dict) -> dict[str, tuple[torch.dtype, tuple[int,
     from transformers import Qwen3_5MoeVisionConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-    config = Qwen3_5MoeVisionConfig(**{k: v for k, v in vision_config.items() if k != "model_type"})
-    with torch.device("meta"):
-        tower = Qwen3_5MoeVisionModel(config)
+    try:
+        config = Qwen3_5MoeVisionConfig(**{k: v for k, v in vision_config.items() if k != "model_type"})
+        with torch.device("meta"):
+            tower = Qwen3_5MoeVisionModel(config)
+    except Exception as e:  # transformers' validation errors are of its own types, over several lines
+        raise ValueError(f"vision_config: {' '.join(str(e).split())}") from e
     return {f"model.visual.{k}": (torch.bfloat16, tuple(v.shape)) for k, v in tower.state_dict().items()}
 
 
@@ -220,8 +225,8 @@ def write_release_checkpoint(folder: str | Path, config: dict, seed: int = 0, de
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{folder} exists and is not an empty folder: name a new folder for the checkpoint")
+    specs = tensor_specs(config)  # a config the model refuses: before anything is written
     folder.mkdir(parents=True, exist_ok=True)
-    specs = tensor_specs(config)
     for name, content in (("config.json", config), ("generation_config.json", GENERATION_CONFIG),
                           ("preprocessor_config.json", PREPROCESSOR_CONFIG),
                           ("video_preprocessor_config.json", VIDEO_PREPROCESSOR_CONFIG)):
@@ -235,32 +240,68 @@ def write_release_checkpoint(folder: str | Path, config: dict, seed: int = 0, de
     return total
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake: one `error:` line and exit 2, as for any other bad input (not argparse's usage block)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (--help lists the arguments)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _arguments(a: argparse.Namespace) -> tuple[dict, dict, list[str]]:
+    """The text and vision overrides, and every problem of the arguments (all named at once): not a JSON object,
+    a field no config of the release has (a misspelt one would be written and never read), a shard size below 1."""
+    problems, overrides = [], []
+    known = {"text_config": {*RELEASE_TEXT_CONFIG, *(f.name for f in dataclasses.fields(Qwen35MoeArgs))},
+             "vision_config": set(RELEASE_VISION_CONFIG)}
+    for section, flag, text in (("text_config", "--text-config-overrides", a.text_config_overrides),
+                                ("vision_config", "--vision-config-overrides", a.vision_config_overrides)):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            value = None
+            problems.append(f"{flag} is not JSON ({e}): {text!r}")
+        else:
+            if not isinstance(value, dict):
+                value = None
+                problems.append(f"{flag} must be a JSON object of {section} fields, got {text!r}")
+        problems += [f"{section} has no field {k!r}" for k in value or {} if k not in known[section]]
+        overrides.append(value or {})
+    if a.max_shard_bytes < 1:
+        problems.append(f"--max-shard-bytes must be positive, got {a.max_shard_bytes}")
+    return overrides[0], overrides[1], problems
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the folder to write (new or empty)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where to draw the values (cuda: faster at full size)")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same structure")
-    parser.add_argument("--text-config-overrides", type=json.loads, default={}, metavar="JSON",
+    parser.add_argument("--text-config-overrides", default="{}", metavar="JSON",
                         help="text_config fields to replace (after --small's)")
-    parser.add_argument("--vision-config-overrides", type=json.loads, default={}, metavar="JSON",
+    parser.add_argument("--vision-config-overrides", default="{}", metavar="JSON",
                         help="vision_config fields to replace (after --small's)")
     parser.add_argument("--max-shard-bytes", type=int, default=SHARD_BYTES)
     parser.add_argument("--plan", action="store_true", help="print the shards and sizes; write nothing")
     a = parser.parse_args(argv)
-    text = {**(SMALL_TEXT if a.small else {}), **a.text_config_overrides}
-    vision = {**(SMALL_VISION if a.small else {}), **a.vision_config_overrides}
-    config = release_config(text, vision)
-    if a.plan:
-        specs = tensor_specs(config)
-        shards = plan_shards(specs, a.max_shard_bytes)
-        for file, names in zip(shard_names(len(shards)), shards):
-            print(f"{file}: {len(names)} tensors, {sum(nbytes(specs[k]) for k in names):,} bytes")
-        print(f"{len(specs)} tensors, {sum(map(nbytes, specs.values())):,} bytes")
-        return 0
+    text_overrides, vision_overrides, problems = _arguments(a)
+    if problems:
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    text = {**(SMALL_TEXT if a.small else {}), **text_overrides}
+    vision = {**(SMALL_VISION if a.small else {}), **vision_overrides}
     try:
+        config = release_config(text, vision)
+        if a.plan:
+            specs = tensor_specs(config)
+            shards = plan_shards(specs, a.max_shard_bytes)
+            for file, names in zip(shard_names(len(shards)), shards):
+                print(f"{file}: {len(names)} tensors, {sum(nbytes(specs[k]) for k in names):,} bytes")
+            print(f"{len(specs)} tensors, {sum(map(nbytes, specs.values())):,} bytes")
+            return 0
         write_release_checkpoint(a.out, config, a.seed, a.device, a.max_shard_bytes)
-    except FileExistsError as e:
+    except (OSError, ValueError, TypeError) as e:  # a folder in use or out of reach; a config the model refuses
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -231,3 +231,25 @@ def test_the_command_line_plans_without_writing_and_refuses_a_folder_in_use(smal
     assert capsys.readouterr().out.splitlines()[-1].startswith("146 tensors, ")
     assert main([str(small), "--small"]) == 2
     assert "is not an empty folder" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_one_error_line_naming_each_and_nothing_is_written(tmp_path, capsys):
+    out = tmp_path / "new"
+    assert main([str(out), "--small", "--text-config-overrides", '{"hidden_sizee": 64}',
+                 "--vision-config-overrides", "nope", "--max-shard-bytes", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: text_config has no field 'hidden_sizee'; ")
+    assert "--vision-config-overrides is not JSON" in err[0] and "--max-shard-bytes must be positive" in err[0]
+    for flags, named in ((["--text-config-overrides", '{"num_hidden_layers": "4"}'], "num_hidden_layers = '4' is not"),
+                         (["--vision-config-overrides", '{"depth": "x"}'], "vision_config: Validation error")):
+        assert main([str(out), "--small", *flags]) == 2  # values the model or transformers refuse
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
+    (tmp_path / "file").touch()
+    assert main([str(tmp_path / "file" / "sub"), "--small"]) == 2  # a folder that cannot be made
+    assert capsys.readouterr().err.startswith("error: ")
+    with pytest.raises(SystemExit) as e:
+        main([str(out), "--seed", "abc"])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        "error: argument --seed: invalid int value: 'abc' (--help lists the arguments)"]
+    assert not out.exists()
