@@ -36,6 +36,13 @@ from .atomic_file import write_whole
 from .config import ConfigError, check_launch, with_default_config
 from .train import BAD_INPUT, ERROR_FILE, EXIT_FILE, INTERRUPTED, PID_FILE, STARTING, STOP_FILE, recorded
 
+
+def _error_line(rank, error: str) -> str:
+    """A worker's `error: ...` line as the launcher shows it, `error: ... (rank R)`: it starts with `error:` under
+    torchrun too, where torchrun tags each worker line `[rankR]:`."""
+    return f"{error.rstrip()} (rank {rank})\n"
+
+
 def visible_gpus() -> int:
     """GPUs this process may use, counted without importing torch (CUDA_VISIBLE_DEVICES, else the driver's list)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -102,6 +109,9 @@ def run_torchrun(argv: list[str], nproc: int, nnodes: int) -> int:
         shown = []
         for line in proc.stderr:
             if line.startswith("[rank"):  # a worker's line, tee'd by torchrun
+                tag, _, text = line.partition("]:")
+                if text.startswith("error: "):  # the one error line starts with `error:` here too, naming its rank
+                    line = _error_line(tag.removeprefix("[rank"), text)
                 sys.stderr.write(line)
                 shown.append(line)
             else:
@@ -115,8 +125,8 @@ def run_torchrun(argv: list[str], nproc: int, nnodes: int) -> int:
         shutil.rmtree(exit_dir, ignore_errors=True)
     if returncode != 0 and codes:  # the workers stopped for a known reason (torchrun reports any stop as failed)
         for rank, error in sorted(errors.items()):
-            if not any(error in line for line in shown):  # a rank LOG_RANK hides met it alone: its line, once
-                print(f"[rank{rank}]:{error}", file=sys.stderr)
+            if not any(error.rstrip() in line for line in shown):  # a rank LOG_RANK hides met it alone: its line
+                sys.stderr.write(_error_line(rank, error))
                 shown.append(error)
         return max(codes)  # every rank reports the same reason; the larger code wins if they differ
     if returncode != 0 and forward.received is not None:  # stopped before any worker could say so
