@@ -31,7 +31,6 @@ Exit codes: 0 done, 2 bad input (one `error:` line).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -53,6 +52,7 @@ from .checkpoint.hf_weights import ExportTensors, check_hf_export_folder, hf_nat
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 from .checkpoint.lora_merge import adapter_merges, expected_adapter_shapes, is_adapter_key, merged_reads
 from .checkpoint.peft_adapter import adapter_folder, write_peft_adapter
+from .cli_parser import OneLineParser
 from .checkpoint.plain_state import from_bytes
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -208,14 +208,6 @@ def verify(step_dir: Path) -> None:
         raise ConvertError(f"checkpoint {step_dir} failed verification: {problem}; convert another step")
 
 
-class _Parser(argparse.ArgumentParser):
-    """A command-line mistake is bad input like any other: one `error:` line, exit 2 (argparse's own is a usage
-    block and a `prog: error:` line)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (python -m harness.convert --help lists the arguments)", file=sys.stderr)
-        sys.exit(2)
-
 
 def _shard_gib(text: str) -> float | None:
     """The --max-shard-gib value; None if it is not a positive number."""
@@ -227,9 +219,10 @@ def _shard_gib(text: str) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m harness.convert", description=__doc__.split("\n\n")[0],
-                     epilog="Reading a checkpoint unpickles its DCP .metadata (torch's format): a "
-                     "checkpoint from someone else is code; convert only your own or ones you trust.")
+    parser = OneLineParser(prog="python -m harness.convert", help_command="python -m harness.convert --help",
+                           description=__doc__.split("\n\n")[0],
+                           epilog="Reading a checkpoint unpickles its DCP .metadata (torch's format): a "
+                           "checkpoint from someone else is code; convert only your own or ones you trust.")
     parser.add_argument("step_dir", help="a checkpoint step folder, <dump_folder>/checkpoint/step-N")
     parser.add_argument("out_dir", help="the Hugging Face folder to write: a new or empty folder, or an earlier export "
                         "(replaced); never the run's folder or any other folder of files")

@@ -16,7 +16,6 @@ Deterministic: the same seed writes the same bytes. Needs only the standard libr
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from harness.cli_parser import OneLineParser  # noqa: E402
 from harness.data.tokenizer import ByteTokenizer  # noqa: E402
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -111,16 +111,9 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-class _Parser(argparse.ArgumentParser):
-    """A command-line mistake: one `error:` line and exit 2, as for any other bad input (not argparse's usage block)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (--help lists the arguments)", file=sys.stderr)
-        sys.exit(2)
-
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--train", type=int, default=4000, help="conversations in train.jsonl")
     ap.add_argument("--val", type=int, default=200, help="conversations in val.jsonl")

@@ -10,11 +10,15 @@ seed writes the same bytes. Stdlib only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from harness.cli_parser import OneLineParser  # noqa: E402
 
 NAMES = ["Anna", "Ben", "Clara", "David", "Ella", "Finn", "Grace", "Hugo", "Ivy", "Jack", "Lena", "Max",
          "Nora", "Oscar", "Paula", "Quinn", "Rosa", "Sam", "Tara", "Victor", "Wendy", "Yusuf", "Zoe", "Milo"]
@@ -130,19 +134,12 @@ def generate(seed: int, target_bytes: int) -> list[str]:
     return docs
 
 
-class _Parser(argparse.ArgumentParser):
-    """A command-line mistake: one `error:` line and exit 2, as for any other bad input (not argparse's usage block)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (--help lists the arguments)", file=sys.stderr)
-        sys.exit(2)
-
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--target-bytes", type=int, default=1_000_000)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "data" / "debug_corpus"))
+    ap.add_argument("--out", default=str(REPO / "data" / "debug_corpus"))
     args = ap.parse_args(argv)
     if args.target_bytes < 1:
         print(f"error: --target-bytes must be positive, got {args.target_bytes}", file=sys.stderr)

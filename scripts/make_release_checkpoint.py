@@ -62,6 +62,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from harness.cli_parser import OneLineParser  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter  # noqa: E402
 from models.qwen35_moe.hf_checkpoint import write_shard  # noqa: E402
 from models.qwen35_moe.init import initial_value  # noqa: E402
@@ -240,13 +241,6 @@ def write_release_checkpoint(folder: str | Path, config: dict, seed: int = 0, de
     return total
 
 
-class _Parser(argparse.ArgumentParser):
-    """A command-line mistake: one `error:` line and exit 2, as for any other bad input (not argparse's usage block)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (--help lists the arguments)", file=sys.stderr)
-        sys.exit(2)
-
 
 def _arguments(a: argparse.Namespace) -> tuple[dict, dict, list[str]]:
     """The text and vision overrides, and every problem of the arguments (all named at once): not a JSON object,
@@ -273,7 +267,7 @@ def _arguments(a: argparse.Namespace) -> tuple[dict, dict, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the folder to write (new or empty)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where to draw the values (cuda: faster at full size)")
