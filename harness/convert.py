@@ -52,8 +52,8 @@ from .checkpoint.hf_weights import ExportTensors, check_hf_export_folder, hf_nat
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 from .checkpoint.lora_merge import adapter_merges, expected_adapter_shapes, is_adapter_key, merged_reads
 from .checkpoint.peft_adapter import adapter_folder, write_peft_adapter
-from .cli_parser import OneLineParser
 from .checkpoint.plain_state import from_bytes
+from .cli_parser import OneLineParser
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -206,7 +206,6 @@ def verify(step_dir: Path) -> None:
     problem = check_files(step_dir, record, threads=hash_threads())
     if problem is not None:
         raise ConvertError(f"checkpoint {step_dir} failed verification: {problem}; convert another step")
-
 
 
 def _shard_gib(text: str) -> float | None:

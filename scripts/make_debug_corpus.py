@@ -3,7 +3,7 @@
 Documents are composed from templates and word lists with regularities a tiny model learns in minutes: a fixed
 "world" (every animal always has the same home, food, colour and sound), arithmetic with correct answers,
 numbered recipe steps, letters with a fixed opening and closing, and short stories. Deterministic: the same
-seed writes the same bytes. Stdlib only.
+seed writes the same bytes. Stdlib only (and the project's argument parser, itself stdlib only).
 
     python scripts/make_debug_corpus.py [--seed 1234] [--target-bytes 1000000] [--out data/debug_corpus]
 """
@@ -132,7 +132,6 @@ def generate(seed: int, target_bytes: int) -> list[str]:
         docs.append(doc)
         size += len(json.dumps({"text": doc})) + 1
     return docs
-
 
 
 def main(argv: list[str] | None = None) -> int:

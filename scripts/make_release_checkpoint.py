@@ -241,7 +241,6 @@ def write_release_checkpoint(folder: str | Path, config: dict, seed: int = 0, de
     return total
 
 
-
 def _arguments(a: argparse.Namespace) -> tuple[dict, dict, list[str]]:
     """The text and vision overrides, and every problem of the arguments (all named at once): not a JSON object,
     a field no config of the release has (a misspelt one would be written and never read), a shard size below 1."""
