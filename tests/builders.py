@@ -1,9 +1,19 @@
 """Model construction shared by the tests: the meta -> materialise -> init path the trainer takes."""
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
+
+# The debug model with the release's layer pattern (3 Gated DeltaNet layers, then full attention), for tests that need
+# several blocks of one kind; `--model.hf_config` takes it too.
+DEBUGMODEL_4_LAYERS = Path(__file__).resolve().parent / "data" / "debugmodel_4_layers.json"
+
+
+def debugmodel_4_layers() -> Qwen35MoeArgs:
+    return Qwen35MoeArgs.from_hf_config(DEBUGMODEL_4_LAYERS)
 
 
 def initialized_model(args: Qwen35MoeArgs, seed: int = 0) -> Qwen35MoeModel:

@@ -27,12 +27,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=folder)  # stable: each folder keeps its own order
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one test process per core, at most 4 (the shared launches' ranks want cores too)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(scope="session")
 def launches(tmp_path_factory) -> SharedLaunches:
-    """The registered runs (tests/distributed/launch.py), one launch per stage and number of processes."""
-    shared = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    """The registered runs (tests/distributed/launch.py), one launch per stage and number of processes. Under
+    pytest-xdist one test process launches them, in a folder beside every process's own, and the others read it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        shared = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    else:
+        folder = tmp_path_factory.getbasetemp().parent / "launches"
+        shared = SharedLaunches(folder, owner=SharedLaunches.claim(folder))
     yield shared
-    shared.close()
+    shared.close(wait=shared.owner and os.environ.get("PYTEST_XDIST_WORKER") is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,12 +8,15 @@ import dataclasses
 from .args import Qwen35MoeArgs
 
 qwen35_moe_flavors: dict[str, Qwen35MoeArgs] = {
-    # Tiny hybrid model for CPU tests and the embedded default: 3 GDN layers + 1 full attention
-    # layer, 8 experts top-2. Vocab 512 covers the byte tokenizer (256 bytes + specials).
+    # Tiny hybrid model for CPU tests and the embedded default: a GDN layer then a full attention layer, 8 experts
+    # top-2. Vocab 512 covers the byte tokenizer (256 bytes + specials). Two layers, not the release's 3 + 1: a CPU
+    # step costs about its layer count, and the test suite runs hundreds of them (tests that need several blocks of
+    # one kind use tests/data/debugmodel_4_layers.json).
     "debugmodel": Qwen35MoeArgs(
         vocab_size=512,
         hidden_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=2,
+        full_attention_interval=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,

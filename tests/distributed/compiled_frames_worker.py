@@ -13,16 +13,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from models.qwen35_moe import Qwen35MoeModel, get_flavor, moe
+from models.qwen35_moe import Qwen35MoeModel, moe
 from parallel.parallelize import parallelize_qwen35_moe
-from tests.builders import experts_in_one_graph
+from tests.builders import debugmodel_4_layers, experts_in_one_graph
 from tests.compiled import batch_ids, compiled_without_inductor, training_loss
 
 
 def frames_per_block(mesh, ids: torch.Tensor) -> list[int]:
     torch._dynamo.reset()
     with torch.device("meta"):
-        model = Qwen35MoeModel(get_flavor("debugmodel"))
+        model = Qwen35MoeModel(debugmodel_4_layers())
     for index, layer in enumerate(model.layers.values()):
         @torch._dynamo.disable
         def mark(module, args, index=index):  # an instant event where each block's forward starts

@@ -37,6 +37,7 @@ RUNS_WORKER = str(REPO / "tests" / "distributed" / "runs_worker.py")
 # What a run leaves in its folder: `started` when it begins, `finished` once every rank has returned from it, or
 # failed.rank0.txt (its traceback on rank 0) and the like; skipped.txt if it did not start (a run it reads failed).
 STARTED, FINISHED, FAILED, SKIPPED = "started", "finished", "failed.{}.txt", "skipped.txt"
+OWNER, LAUNCHED = "owner.pid", "launched-{}-{}.txt"  # the launching test process; a key's output, once done
 FIRST_ATTEMPT = "{}.first-attempt"  # a failed run's folder, set aside when it runs again
 # Hang guards, not time limits: the longest run takes 30 s on an idle 2-core machine, a few minutes under heavy load.
 COLLECTIVE_TIMEOUT_S = 900  # how long a rank waits at a collective (gloo's timeout: the waiting rank then raises)
@@ -123,23 +124,48 @@ class RanAgain(UserWarning):
 
 class SharedLaunches:
     """The registered runs' results: one launch per stage and number of processes, started in the background
-    (`start`) or when a test first asks for one of its runs; after a failure, the rest in another."""
+    (`start`) or when a test first asks for one of its runs; after a failure, the rest in another.
 
-    def __init__(self, folder: Path, runs: dict[str, Run] | None = None):
+    Under pytest-xdist the test processes share one folder: the first to claim it (`claim`) launches, the others
+    (`owner` False) read each launch's output from the file it leaves there once its runs are done."""
+
+    def __init__(self, folder: Path, runs: dict[str, Run] | None = None, owner: bool = True):
         self.folder = folder
         self.runs = REGISTERED if runs is None else runs
+        self.owner = owner
         self.outputs: dict[tuple[int, int], str] = {}  # what the launches of each key printed
         self.lock = threading.RLock()  # one launch at a time: each takes the host's cores
         self.running: subprocess.Popen | None = None
+        self.thread: threading.Thread | None = None
         self.closed = False
 
-    def start(self) -> None:
-        """Launches every registered run, stage by stage, in a background thread."""
-        keys = sorted({(run.stage, run.nproc) for run in self.runs.values()})
-        threading.Thread(target=lambda: [self._launched(key) for key in keys], daemon=True).start()
+    @staticmethod
+    def claim(folder: Path) -> bool:
+        """True for the first test process to claim `folder` (it then launches the runs for all of them)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = folder / f"{OWNER}.{os.getpid()}"
+        mine.write_text(str(os.getpid()))
+        try:
+            os.link(mine, folder / OWNER)  # atomic, and the file already holds the pid when others read it
+        except FileExistsError:
+            return False
+        finally:
+            mine.unlink()
+        return True
 
-    def close(self) -> None:
-        """Stops the launch in progress, if any (the session ends)."""
+    def start(self) -> None:
+        """Launches every registered run, stage by stage, in a background thread (the owner's only)."""
+        if not self.owner or self.thread is not None:
+            return
+        keys = sorted({(run.stage, run.nproc) for run in self.runs.values()})
+        self.thread = threading.Thread(target=lambda: [self._launched(key) for key in keys], daemon=True)
+        self.thread.start()
+
+    def close(self, wait: bool = False) -> None:
+        """Stops the launch in progress, if any (the session ends); with `wait`, lets the background launches end
+        first (other test processes may still read them)."""
+        if wait and self.thread is not None:
+            self.thread.join()
         self.closed = True
         if self.running is not None and self.running.poll() is None:
             os.killpg(self.running.pid, signal.SIGKILL)
@@ -179,11 +205,27 @@ class SharedLaunches:
         return errors_in(self.folder / FIRST_ATTEMPT.format(run.name))
 
     def _launched(self, key: tuple[int, int]) -> str:
-        """The output of the launches of `key` (stage, processes), which this call runs if no call has yet."""
+        """The output of the launches of `key` (stage, processes), which this call runs if no call has yet (or, in a
+        process that does not own the folder, waits for the owner's)."""
+        if not self.owner:
+            return self._read_launched(key)
         with self.lock:
             if key not in self.outputs:
                 self.outputs[key] = self._launch(key)
+                (self.folder / LAUNCHED.format(*key)).write_text(self.outputs[key])
             return self.outputs[key]
+
+    def _read_launched(self, key: tuple[int, int]) -> str:
+        """The output the owner left for `key`, once it is there; why not, if the owner ended first."""
+        done, owner = self.folder / LAUNCHED.format(*key), int((self.folder / OWNER).read_text())
+        while not done.exists():
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                if not done.exists():
+                    return f"the test process that launched the runs (pid {owner}) ended first"
+            time.sleep(0.5)
+        return done.read_text()
 
     def _launch(self, key: tuple[int, int]) -> str:
         """Runs the runs of `key` in one launch, or, after a failure, the runs after the failed one in another and the

@@ -283,12 +283,12 @@ def test_debug_sft_trains_its_loss_falls_and_the_export_renders_chats_as_the_run
     from harness.train import main
 
     out = tmp_path / "out"
-    assert main(["--config", SFT_CONFIG, "--job.dump_folder", str(out), "--training.steps", "20",
+    assert main(["--config", SFT_CONFIG, "--job.dump_folder", str(out), "--training.steps", "30",
                  "--training.seq_len", "128", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-                 "--metrics.enable_tensorboard", "false", "--validation.freq", "20", "--validation.steps", "2"]) == 0
+                 "--metrics.enable_tensorboard", "false", "--validation.freq", "30", "--validation.steps", "2"]) == 0
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
-    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0]
+    assert len(losses) == 30 and losses[-1] < 0.7 * losses[0]  # measured 0.55
     assert any("val_loss" in m for m in metrics)
     exported = AutoTokenizer.from_pretrained(out / "hf")
     row = json.loads((DEBUG_CHAT / "val.jsonl").read_text().splitlines()[0])

@@ -241,7 +241,7 @@ def _index_without_weight_map(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
 
 
-@pytest.mark.parametrize("damage, named", [(_wrong_shape, "wrong shapes: layers.3.self_attn.q_proj.weight"),
+@pytest.mark.parametrize("damage, named", [(_wrong_shape, "wrong shapes: layers.1.self_attn.q_proj.weight"),
                                            (_truncated, "cannot read"),
                                            (_index_without_weight_map, "is not a safetensors index")])
 def test_an_hf_folder_to_start_from_that_does_not_fit_is_one_error_line(exported, tmp_path, capsys, damage, named):
