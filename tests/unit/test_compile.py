@@ -9,6 +9,7 @@ varlen stand-in (attention per document with SDPA), so the ints it receives are 
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor, moe
+from parallel import activation_checkpointing
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import compile_blocks, experts_in_one_graph, fp32_grad_tolerance, initialized_model
 from tests.compiled import (
@@ -36,7 +38,7 @@ WARMUP = 3  # the unpacked path, a packed one, and the recompile that makes cu_s
 
 
 @pytest.mark.parametrize("ac_mode", ["none", "full"])
-def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
+def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, request, ac_mode):
     """Also under full AC, compiled in two halves with the MoE half's checkpoint traced (the experts as one graph,
     as on the GPU): the recompute must pick the forward's graphs whatever the layout."""
     monkeypatch.setattr(attention, "_flash_applies", lambda q: True)
@@ -50,6 +52,11 @@ def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
         monkeypatch.setattr(moe.RoutedExperts, "forward", experts_in_one_graph)
         parallelize_qwen35_moe(compiled, None, param_dtype=torch.float32, reduce_dtype=torch.float32,
                                ac_mode=ac_mode, compile=True)
+        # inductor's kernels in the "none" case; here AOT's eager backend runs the same frames and traced
+        # checkpoints (the halves are compiled at the first forward, inside this context) without building C++
+        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+        activation_checkpointing._compiled.cache_clear()
+        request.addfinalizer(activation_checkpointing._compiled.cache_clear)
     g = torch.Generator().manual_seed(3)
     compiles_after_warmup = None
     for i, documents in enumerate(LAYOUTS):
