@@ -29,7 +29,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one test process per core, at most 4 (the shared launches' ranks want cores too)."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    # the cores this process may use; macOS has no affinity call
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 @pytest.fixture(scope="session")
