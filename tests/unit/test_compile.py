@@ -9,7 +9,6 @@ varlen stand-in (attention per document with SDPA), so the ints it receives are 
 """
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from torch.profiler import ProfilerActivity, profile
 from torch._dynamo.utils import counters
 
 from models.qwen35_moe import attention, get_flavor, moe
-from parallel import activation_checkpointing
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import compile_blocks, experts_in_one_graph, fp32_grad_tolerance, initialized_model
 from tests.compiled import (
@@ -25,6 +23,7 @@ from tests.compiled import (
     SEQ,
     assert_compiled_matches_eager,
     batch_ids,
+    compiled_without_inductor,
     loss_and_grads,
     packed_positions,
     training_loss,
@@ -37,8 +36,17 @@ LAYOUTS = [None, [[40, 56], [96]], [[10, 20, 66], [30, 30, 36]], [[96], [5, 91]]
 WARMUP = 3  # the unpacked path, a packed one, and the recompile that makes cu_seqlens' size dynamic
 
 
+@pytest.fixture(autouse=True)
+def aot_eager_backend():
+    """AOT's eager backend (tests/compiled.py): the frames, graph breaks, recompiles and traced checkpoints asked
+    about here are dynamo's and AOT autograd's; inductor's C++ kernels would cost ~75 s of a cold cache on CPU, where
+    no user compiles. Inductor's GPU kernels, the product's path, are tested in tests/gpu."""
+    with compiled_without_inductor():
+        yield
+
+
 @pytest.mark.parametrize("ac_mode", ["none", "full"])
-def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, request, ac_mode):
+def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, ac_mode):
     """Also under full AC, compiled in two halves with the MoE half's checkpoint traced (the experts as one graph,
     as on the GPU): the recompute must pick the forward's graphs whatever the layout."""
     monkeypatch.setattr(attention, "_flash_applies", lambda q: True)
@@ -52,11 +60,6 @@ def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, request, ac_m
         monkeypatch.setattr(moe.RoutedExperts, "forward", experts_in_one_graph)
         parallelize_qwen35_moe(compiled, None, param_dtype=torch.float32, reduce_dtype=torch.float32,
                                ac_mode=ac_mode, compile=True)
-        # inductor's kernels in the "none" case; here AOT's eager backend runs the same frames and traced
-        # checkpoints (the halves are compiled at the first forward, inside this context) without building C++
-        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-        activation_checkpointing._compiled.cache_clear()
-        request.addfinalizer(activation_checkpointing._compiled.cache_clear)
     g = torch.Generator().manual_seed(3)
     compiles_after_warmup = None
     for i, documents in enumerate(LAYOUTS):
@@ -72,10 +75,11 @@ def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, request, ac_m
 
 
 def _compiled_graph_calls(model, ids) -> int:
-    """How many times compiled graphs run, forward and backward, in one step of `model`."""
+    """How many times compiled graphs run, forward and backward, in one step of `model` (AOT autograd's function
+    around each graph pair, whatever the backend)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         loss_and_grads(model, ids, None)
-    return sum(e.name.startswith("## Call CompiledFxGraph") for e in prof.events())
+    return sum(e.name in ("CompiledFunction", "CompiledFunctionBackward") for e in prof.events())
 
 
 @pytest.mark.parametrize("ac_mode", ["full", "selective"])
