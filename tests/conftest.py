@@ -38,13 +38,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def launches(tmp_path_factory) -> SharedLaunches:
     """The registered runs (tests/distributed/launch.py), one launch per stage and number of processes. Under
     pytest-xdist one test process launches them, in a folder beside every process's own, and the others read it."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        shared = SharedLaunches(tmp_path_factory.mktemp("launches"))
-    else:
+    under_xdist = os.environ.get("PYTEST_XDIST_WORKER") is not None
+    if under_xdist:
         folder = tmp_path_factory.getbasetemp().parent / "launches"
         shared = SharedLaunches(folder, owner=SharedLaunches.claim(folder))
+    else:
+        shared = SharedLaunches(tmp_path_factory.mktemp("launches"))
     yield shared
-    shared.close(wait=shared.owner and os.environ.get("PYTEST_XDIST_WORKER") is not None)
+    shared.close(wait=under_xdist)  # the other test processes may still read the owner's launches
 
 
 @pytest.fixture(scope="session", autouse=True)
