@@ -27,6 +27,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=folder)  # stable: each folder keeps its own order
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without the plugin (-p no:xdist) pytest must not reject it
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one test process per core, at most 4 (the shared launches' ranks want cores too)."""
     # the cores this process may use; macOS has no affinity call

@@ -35,9 +35,11 @@ def check_expert_parallel_layer(reference: SparseMoE, out_ref: torch.Tensor, who
     ep_layer.set_parallel_hooks(ParallelHooks(sharding=DTensorSharding(), expert_dispatch=shard_experts_for_dispatch(
         ep_layer, init_device_mesh("cpu", (ep,)), dispatch)))
     if compiled:
-        # Inductor's code on rank 0; rank 1 runs AOT's graphs eagerly. The exchange's collectives are the same ops
-        # either way, and a second process compiling its own kernels doubled the C++ compilation (~20 s of a core).
-        ep_layer.compile(backend="inductor" if rank == 0 else "aot_eager")
+        # Inductor's code where the exchange is in the graph (the all-gather dispatch) on rank 0; elsewhere AOT's
+        # graphs run eagerly. The collectives are the same ops either way, and inductor's C++ kernels cost a cold
+        # cache ~25 s of a core per dispatch per process (the all-to-all runs eagerly between two graphs anyway).
+        inductor = rank == 0 and dispatch == "all_gather"
+        ep_layer.compile(backend="inductor" if inductor else "aot_eager")
     x = xs[rank].clone().requires_grad_()
     out, counts, _ = ep_layer(x.unsqueeze(0))
     (out.squeeze(0) * weights[rank]).sum().backward()

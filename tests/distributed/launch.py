@@ -314,7 +314,7 @@ class SharedLaunches:
         # Inductor compiles in the runs' own processes: one CI run under load aborted a rank with "terminate called
         # without an active exception"; inductor's pool of compile workers is a suspect, not proven.
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        log = spec.with_suffix(".log")  # with each run's time
+        log = spec.with_suffix(".log")  # with each run's time and CPU time
         with open(log, "w") as out:
             self.running = subprocess.Popen(cmd, cwd=self.folder, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True)

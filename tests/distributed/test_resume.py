@@ -23,18 +23,13 @@ from pathlib import Path
 import pytest
 
 from harness.convert import main as convert_main
-from tests.builders import DEBUGMODEL_4_LAYERS
 from tests.checkpoint_faults import flip_bytes
 from tests.distributed.launch import Run, register, started_processes
 from tests.distributed.train_worker import logged, losses
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = "tests.distributed.train_worker:train"
-# The release's layer pattern (tests/builders.py): these runs' losses after a resume on another number of ranks stay
-# within 1e-5 of the run that saved. The 2-layer debug model's did not (measured 1.8e-5 a step after the resume;
-# its uninterrupted runs on 1 and 2 ranks differ by 1e-4 there), so 1e-5 would no longer tell a resume from noise.
-FLAGS = ("--model.hf_config", str(DEBUGMODEL_4_LAYERS),
-         "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+FLAGS = ("--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
          "--training.steps", "8", "--training.deterministic", "true", "--metrics.log_freq", "1",
          "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.keep_latest_k", "0")
 EVERY_4 = (*FLAGS, "--checkpoint.interval", "4")  # saves at steps 4 and 8
@@ -109,8 +104,18 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(launches, saved_by, res
     assert "resumed from checkpoint" in text and f"saved by {saved_by} ranks, resumed by {resumed_by}" in text
     want, got = losses(ref), losses(resumed)
     assert sorted(got) == list(range(1, 9))
-    for step in range(5, 9):  # the same weights, optimizer and rows; other summation order: ~1e-7 relative
-        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    # The first step after the resume: the saved weights and rows, only the forward's summation order differs
+    # (measured 8e-8 relative).
+    assert got[5] == pytest.approx(want[5], rel=1e-6)
+    # Then AdamW turns summation noise in near-zero gradients into lr-sized updates, and the run drifts from the
+    # saving one as any run on another number of ranks does: no further than the uninterrupted runs on 1 and 2 ranks
+    # drift apart over the same steps (measured: resumed 2e-6 to 2.2e-5 relative, uninterrupted up to 1.2e-4). A
+    # resume that lost the optimizer's moments is 2e-2 off from step 6 on (measured, one process).
+    one, two = losses(launches.folder_of(REF1)), losses(launches.folder_of(REF2))
+    drift = max(abs(one[step] - two[step]) / two[step] for step in range(5, 9))
+    assert drift < 1e-3, drift  # the rank counts' own drift stays far below what a lost state would show
+    for step in range(6, 9):
+        assert abs(got[step] - want[step]) <= max(drift, 1e-6) * want[step], (step, got[step], want[step], drift)
 
 
 CP2 = ("--parallelism.context_parallel_degree", "2")
