@@ -12,16 +12,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from models.qwen35_moe import Qwen35MoeModel, moe
+from models.qwen35_moe import Qwen35MoeModel, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe
-from tests.builders import debugmodel_4_layers, experts_in_one_graph
+from tests.builders import experts_in_one_graph
 from tests.compiled import batch_ids, compiled_without_inductor, training_loss
 from tests.distributed.fsdp_step_worker import full
 
 
 def step(mesh, ids: torch.Tensor, ac_mode: str, compile: bool) -> dict:
     with torch.device("meta"):
-        model = Qwen35MoeModel(debugmodel_4_layers())
+        model = Qwen35MoeModel(get_flavor("debugmodel"))
     parallelize_qwen35_moe(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, ac_mode=ac_mode,
                            compile=compile)
     model.to_empty(device="cpu")

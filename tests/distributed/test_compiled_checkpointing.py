@@ -14,7 +14,7 @@ COMPARE = register(Run("compiled_checkpointing/compare", 2, "tests.distributed.c
 def test_compiled_full_checkpointing_under_fsdp_matches_eager(launches):
     record = torch.load(launches.folder_of(COMPARE) / "result.pt")
     eager, full = record["eager"], record["full"]
-    assert full["traced"] == [False, True, True, True]
+    assert full["traced"] == [False, True]  # the first block (FSDP's experts unit inside), the second
     assert full["loss"].item() == pytest.approx(eager["loss"].item(), rel=1e-6)
     for name, grad in eager["grads"].items():
         tol = fp32_grad_tolerance(name)
