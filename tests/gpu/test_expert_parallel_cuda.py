@@ -88,15 +88,17 @@ def test_one_rank_exchange_compiled_by_inductor_gives_the_eager_layer(nccl_mesh,
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
-    eager = SparseMoE(ARGS)
+    plain = SparseMoE(ARGS)
     with torch.no_grad():
-        for p in eager.parameters():
+        for p in plain.parameters():
             p.normal_(0, 0.05)
-        eager.gate.weight.normal_(0, 0.5)
-    eager = eager.to("cuda", torch.bfloat16)
-    shard_experts(eager.experts, nccl_mesh)
-    eager.set_parallel_hooks(ParallelHooks(expert_dispatch=lambda moe: dispatch(nccl_mesh), sharding=DTensorSharding()))
-    compiled = copy.deepcopy(eager)
+        plain.gate.weight.normal_(0, 0.5)
+    plain = plain.to("cuda", torch.bfloat16)
+    eager, compiled = copy.deepcopy(plain), copy.deepcopy(plain)
+    for layer in (eager, compiled):
+        shard_experts(layer.experts, nccl_mesh)
+        layer.set_parallel_hooks(ParallelHooks(expert_dispatch=lambda moe: dispatch(nccl_mesh),
+                                               sharding=DTensorSharding()))
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     compiled.compile(backend=counter)
@@ -104,15 +106,18 @@ def test_one_rank_exchange_compiled_by_inductor_gives_the_eager_layer(nccl_mesh,
     probe = torch.randn(2, 300, ARGS.hidden_size, device="cuda")
     want, got = _run(eager, x, probe), _run(compiled, x, probe)
     torch._dynamo.reset()
-    assert counter.frame_count > 0
+    # The all-gather dispatch compiles with the layer into one frame, its collective in the graph (measured on an
+    # H200); the all-to-all's host-side split sizes break it into 4.
+    assert (counter.frame_count == 1) if dispatch is AllGatherExpertParallel else (counter.frame_count > 1)
 
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
-    # Measured on an H200 (below 1e-2: bf16 has 8 mantissa bits; a wrong exchange is off by O(1))
-    assert rel(got[0], want[0]) < 1e-2
-    assert rel(got[1], want[1]) < 1e-2
+    # Measured on an H200: at most 5.6e-3 (bf16's 8 mantissa bits, rounded in other places by the fused kernels); a
+    # wrong exchange is off by O(1).
+    assert rel(got[0], want[0]) < 2e-2
+    assert rel(got[1], want[1]) < 2e-2
     for name, grad in want[2].items():
-        assert rel(got[2][name], grad) < 1e-2, name
+        assert rel(got[2][name], grad) < 2e-2, name
 
 
 def _poison_free_memory() -> None:
