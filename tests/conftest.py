@@ -1,6 +1,7 @@
 """Session-wide setup: one intra-op thread, the order of the folders, and the distributed tests' shared launches
 (tests/distributed/launch.py), started in the background at the session's start."""
 
+import gc
 import os
 import sys
 
@@ -25,6 +26,14 @@ def pytest_collection_modifyitems(config, items):
         return ORDER.index(parts[1]) if len(parts) > 2 and parts[1] in ORDER else len(ORDER)
 
     items.sort(key=folder)  # stable: each folder keeps its own order
+
+
+def pytest_collection_finish(session):
+    """The objects the imports and the collection made (~300k: torch, transformers, the test modules) are left out of
+    the cyclic collector's later passes: a full collection scans them all, ~0.2 s of CPU, and the trainer's error
+    paths and Python's own schedule run many in a session."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: without the plugin (-p no:xdist) pytest must not reject it
