@@ -32,7 +32,7 @@ def main(spec: str) -> None:
     for folder, target, *args in json.loads(Path(spec).read_text()):
         module, function = target.split(":")
         Path(folder, STARTED).touch()
-        started, cpu = time.perf_counter(), time.process_time()
+        started, cpu_started = time.perf_counter(), time.process_time()
         try:
             getattr(importlib.import_module(module), function)(folder, *args)
             assert torch.get_default_dtype() == torch.float32, f"{target} left the default dtype changed"
@@ -48,7 +48,7 @@ def main(spec: str) -> None:
         except BaseException:
             Path(folder, FAILED.format(f"rank{rank}")).write_text(traceback.format_exc())
             raise
-        cpu = torch.tensor(time.process_time() - cpu, dtype=torch.float64)
+        cpu = torch.tensor(time.process_time() - cpu_started, dtype=torch.float64)
         if distributed:
             dist.all_reduce(cpu)  # the CPU time of every rank: what a run costs the suite's cores
         if rank == 0:

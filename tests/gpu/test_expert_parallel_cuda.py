@@ -42,20 +42,31 @@ def _run(layer, x, probe):
     return out.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("dispatch, host_syncs", [(ExpertParallel, 1), (AllGatherExpertParallel, 0)],
-                         ids=["all_to_all", "all_gather"])
-def test_one_rank_exchange_gives_the_plain_layer_bitwise_and_syncs_only_for_the_split_sizes(nccl_mesh, dispatch,
-                                                                                           host_syncs):
+def _plain_layer() -> SparseMoE:
+    """The bf16 CUDA layer both tests start from, reproducibly drawn."""
     torch.manual_seed(0)
     plain = SparseMoE(ARGS)
     with torch.no_grad():
         for p in plain.parameters():
             p.normal_(0, 0.05)
         plain.gate.weight.normal_(0, 0.5)  # decisive routing, some experts busier than others
-    plain = plain.to("cuda", torch.bfloat16)
+    return plain.to("cuda", torch.bfloat16)
+
+
+def _under_ep(plain: SparseMoE, mesh, dispatch) -> SparseMoE:
+    """A copy of `plain` with its experts sharded over `mesh` and exchanged by `dispatch`."""
     ep = copy.deepcopy(plain)
-    shard_experts(ep.experts, nccl_mesh)
-    ep.set_parallel_hooks(ParallelHooks(expert_dispatch=lambda moe: dispatch(nccl_mesh), sharding=DTensorSharding()))
+    shard_experts(ep.experts, mesh)
+    ep.set_parallel_hooks(ParallelHooks(expert_dispatch=lambda moe: dispatch(mesh), sharding=DTensorSharding()))
+    return ep
+
+
+@pytest.mark.parametrize("dispatch, host_syncs", [(ExpertParallel, 1), (AllGatherExpertParallel, 0)],
+                         ids=["all_to_all", "all_gather"])
+def test_one_rank_exchange_gives_the_plain_layer_bitwise_and_syncs_only_for_the_split_sizes(nccl_mesh, dispatch,
+                                                                                           host_syncs):
+    plain = _plain_layer()
+    ep = _under_ep(plain, nccl_mesh, dispatch)
     x = torch.randn(2, 300, ARGS.hidden_size, device="cuda", dtype=torch.bfloat16)
     probe = torch.randn(2, 300, ARGS.hidden_size, device="cuda")
 
@@ -87,18 +98,8 @@ def test_one_rank_exchange_compiled_by_inductor_gives_the_eager_layer(nccl_mesh,
     of the fused kernels."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    torch.manual_seed(0)
-    plain = SparseMoE(ARGS)
-    with torch.no_grad():
-        for p in plain.parameters():
-            p.normal_(0, 0.05)
-        plain.gate.weight.normal_(0, 0.5)
-    plain = plain.to("cuda", torch.bfloat16)
-    eager, compiled = copy.deepcopy(plain), copy.deepcopy(plain)
-    for layer in (eager, compiled):
-        shard_experts(layer.experts, nccl_mesh)
-        layer.set_parallel_hooks(ParallelHooks(expert_dispatch=lambda moe: dispatch(nccl_mesh),
-                                               sharding=DTensorSharding()))
+    plain = _plain_layer()
+    eager, compiled = _under_ep(plain, nccl_mesh, dispatch), _under_ep(plain, nccl_mesh, dispatch)
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     compiled.compile(backend=counter)
