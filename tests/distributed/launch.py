@@ -1,4 +1,5 @@
-"""The distributed tests' shared launches: torchrun on this machine, the repository on the path, one thread a rank.
+"""The distributed tests' shared launches: ranks forked from one process (runs_worker.py), the repository on the path,
+one thread a rank.
 
 A test module registers its runs (`register`: a name, a number of processes and a function of a
 tests/distributed/*_worker.py), and reads their results through the session's `launches` fixture (tests/conftest.py).
@@ -48,7 +49,7 @@ POLL_S = 10  # how often a launch's progress is looked at
 @dataclass(frozen=True)
 class Run:
     """One run of a shared launch: `target` ("module:function") is called as function(folder, *args) in each of
-    `nproc` processes (a plain process for 1, torchrun's ranks over gloo otherwise), `folder` being this run's own
+    `nproc` processes (a plain process for 1, ranks over gloo otherwise), `folder` being this run's own
     ("{folder}" in an argument stands for it). A run that reads the outputs of others names them in `after`: it
     runs in a launch after theirs. `prepare(folder, *folders of after)`, if given, writes the run's inputs into its
     folder before its launch starts (again, into a new folder, if the run fails and runs again); it runs in the
@@ -101,18 +102,13 @@ def started_processes(name: str, start: Callable[[Path], None]) -> Run:
     return register(Run(name, 0, prepare=start))
 
 
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0"]
-
-
 def errors_in(folder: Path) -> str:
     """The errors a run left in `folder` (each rank's traceback, or why its launch ended), each once."""
     return "\n".join(dict.fromkeys(e.read_text() for e in sorted(folder.glob(FAILED.format("*")))))
 
 
 def causes(output: str) -> str:
-    """What a launch printed, for a failure: its error lines first (the ranks' exceptions come before torchrun's
+    """What a launch printed, for a failure: its error lines first (the ranks' exceptions come before the launcher's
     summary, which alone would fill the tail), then its tail."""
     errors = "\n".join([line for line in output.splitlines() if "Error" in line or "error:" in line][:10])
     return f"{errors}\n...\n{output[-5000:]}"
@@ -303,14 +299,14 @@ class SharedLaunches:
         return True
 
     def _run(self, key: tuple[int, int], runs: list[Run], number: int) -> tuple[str, bool]:
-        """Launch `number` of `key`: `runs` in one process or torchrun's ranks. Returns what it printed and whether it
+        """Launch `number` of `key`: `runs` in one process or on forked ranks. Returns what it printed and whether it
         was stopped as hung."""
         spec = self.folder / "launch{}-{}-{}.json".format(*key, number)
         spec.write_text(json.dumps([[str(self.folder / r.name), r.target,
                                      *(a.replace("{folder}", str(self.folder / r.name)) for a in r.args)]
                                     for r in runs]))
         nproc = key[1]
-        cmd = [*(torchrun(nproc) if nproc > 1 else [sys.executable]), RUNS_WORKER, str(spec)]
+        cmd = [sys.executable, RUNS_WORKER, str(nproc), str(spec)]
         # Inductor compiles in the runs' own processes: one CI run under load aborted a rank with "terminate called
         # without an active exception"; inductor's pool of compile workers is a suspect, not proven.
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}

@@ -20,7 +20,7 @@ def _first_time(folder: str) -> bool:
 
 def fails_on_rank_1(folder: str) -> None:
     """Rank 1 leaves the first time as a killed process does (no traceback), and raises the second; rank 0 waits
-    meanwhile, outside any collective, until torchrun stops it. Each rank's process id in <folder>/pid.rank<r>."""
+    meanwhile, outside any collective, until the launcher stops it. Each rank's process id in <folder>/pid.rank<r>."""
     rank = dist.get_rank()
     Path(folder, f"pid.rank{rank}").write_text(str(os.getpid()))
     if rank == 1:

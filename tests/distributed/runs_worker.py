@@ -1,9 +1,15 @@
 """Worker for the shared launches (tests/distributed/launch.py): runs each run of a spec, in order, in this process
-(one-process runs) or on every rank of a torchrun world over gloo (the process group is made once, for all of them).
+(one-process runs) or on every rank of a world of processes forked from it, over gloo (the process group is made once,
+for all of them).
+
+The ranks are forked after this process has imported torch, dynamo and the runs' modules: ranks started as fresh
+interpreters (torchrun's) would each import them (~1.5 CPU-seconds for torch alone, as much again for dynamo and the
+harness), and torchrun's agent torch once more. torch.multiprocessing's `start_processes` watches the ranks as
+torchrun does: once one fails, it stops the others (SIGTERM, then SIGKILL) and this process exits with its error.
 
 The spec: a JSON list of [folder, "module:function", *args]; each run is function(folder, *args). It leaves the file
 `started` in its folder when it begins and `finished` once every rank has returned from it. A run that raises writes
-its traceback to `failed.rank<r>.txt` in its folder and ends the launch (torchrun then stops the other ranks): a rank
+its traceback to `failed.rank<r>.txt` in its folder and ends the launch (the other ranks are stopped): a rank
 could be left waiting in a collective the failed rank will never join. Runs must undo what they change of the process
 (patched functions, torch's default dtype); the worker resets dynamo's compiled frames and torch's deterministic switch
 between runs."""
@@ -12,6 +18,7 @@ import gc
 import importlib
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -20,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 from tests.distributed.launch import COLLECTIVE_TIMEOUT_S, FAILED, FINISHED, STARTED
 
@@ -58,7 +66,34 @@ def main(spec: str) -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main(sys.argv[1])
+def rank(index: int, nproc: int, port: int, spec: str) -> None:
+    """Rank `index` of `nproc` (a forked process): the variables torchrun would set, then the runs."""
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main(spec)
     gc.unfreeze()
-    gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
+    gc.collect()  # the process groups freed before the process ends (harness/train.py)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: str, nproc: int) -> None:
+    """The runs of `spec` in this process, or on `nproc` ranks forked from it once their modules are imported."""
+    if nproc == 1:
+        main(spec)
+        gc.unfreeze()
+        gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
+        return
+    for _, target, *_ in json.loads(Path(spec).read_text()):
+        importlib.import_module(target.split(":")[0])
+    import torch._dynamo  # noqa: F401  (every training run's optimizer imports it: once here, not once per rank)
+
+    torch.multiprocessing.start_processes(rank, args=(nproc, free_port(), spec), nprocs=nproc, start_method="fork")
+
+
+if __name__ == "__main__":
+    launch(sys.argv[2], int(sys.argv[1]))

@@ -6,7 +6,7 @@ gives the same loss, MoE balance loss, validation loss and gradients, whatever t
 summation order differs).
 
 Every layout is a run of the shared launches (tests/distributed/launch.py): the layouts of 2 ranks run one after the
-other in one torchrun launch, those of 4 in another, the one-process references in one plain process."""
+other in one launch, those of 4 in another, the one-process references in one plain process."""
 
 import dataclasses
 import json

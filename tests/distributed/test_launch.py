@@ -23,7 +23,7 @@ def test_a_run_that_fails_twice_fails_alone_naming_its_first_error_then_its_seco
     problem = launches.problem(FAILS_ON_RANK_1)
     assert problem.startswith("run launch/fails_on_rank_1 failed twice, in two launches. The first time:\n")
     first, second = problem.split("\nThe second time:\n")
-    # The first time rank 1 left without a traceback, and torchrun stopped rank 0: the launch ended during the run.
+    # The first time rank 1 left without a traceback, and the launcher stopped rank 0: the launch ended during the run.
     assert "run launch/fails_on_rank_1: its launch ended while it ran" in first
     assert "RuntimeError: rank 1 fails this run by design" in second and "RuntimeError" not in first
 
