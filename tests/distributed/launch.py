@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -100,6 +101,13 @@ def started_processes(name: str, start: Callable[[Path], None]) -> Run:
     """A registered run that starts processes of its own (`start(folder)`: run_train.sh as a user runs it, say,
     leaving what they printed in `folder`), in the background with the launches."""
     return register(Run(name, 0, prepare=start))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous the processes started next will open)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def errors_in(folder: Path) -> str:

@@ -18,7 +18,6 @@ import gc
 import importlib
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from tests.distributed.launch import COLLECTIVE_TIMEOUT_S, FAILED, FINISHED, STARTED
+from tests.distributed.launch import COLLECTIVE_TIMEOUT_S, FAILED, FINISHED, STARTED, free_port
 
 
 def main(spec: str) -> None:
@@ -66,27 +65,23 @@ def main(spec: str) -> None:
         dist.destroy_process_group()
 
 
-def rank(index: int, nproc: int, port: int, spec: str) -> None:
-    """Rank `index` of `nproc` (a forked process): the variables torchrun would set, then the runs."""
-    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def run_all(spec: str) -> None:
     main(spec)
     gc.unfreeze()
     gc.collect()  # the process groups freed before the process ends (harness/train.py)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank(index: int, nproc: int, port: int, spec: str) -> None:
+    """Rank `index` of `nproc` (a forked process): the variables torchrun would set, then the runs."""
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run_all(spec)
 
 
 def launch(spec: str, nproc: int) -> None:
     """The runs of `spec` in this process, or on `nproc` ranks forked from it once their modules are imported."""
     if nproc == 1:
-        main(spec)
-        gc.unfreeze()
-        gc.collect()  # the process groups freed before the interpreter finalizes (harness/train.py)
+        run_all(spec)
         return
     for _, target, *_ in json.loads(Path(spec).read_text()):
         importlib.import_module(target.split(":")[0])

@@ -4,12 +4,11 @@ losses equal one process training the same global batch."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.launch import Run, register, started_processes
+from tests.distributed.launch import Run, free_port, register, started_processes
 from tests.distributed.train_worker import losses
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,12 +17,6 @@ FLAGS = ("--training.steps", "3", "--training.seq_len", "64", "--metrics.enable_
 # The same 4 rows per step in one process (the loader deals data-parallel rank r rows r, r + 2, ...).
 ONE_PROCESS = register(Run("multinode/one_process", 1, "tests.distributed.train_worker:train",
                            (*FLAGS, "--training.local_batch_size", "4")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_nodes(folder: Path) -> None:
