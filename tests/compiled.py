@@ -72,16 +72,17 @@ def assert_compiled_matches_eager(compiled: tuple, eager: tuple, what) -> None:
 
 
 @contextlib.contextmanager
-def compiled_without_inductor():
+def compiled_without_inductor(backend: str = "aot_eager"):
     """torch.compile with AOT autograd's eager backend meanwhile: the same dynamo frames and graph breaks, traced
     checkpoints and AOT forward and backward graphs as inductor's, run by eager kernels instead of generated C++ ones,
     whose compilation costs ~25 s in every process that compiles the debug model's blocks. (Under FSDP each rank
     compiles graphs of its own: measured, the FSDP run took as long after the one-process tests had filled the cache
-    with the same blocks' kernels as before.)"""
+    with the same blocks' kernels as before.) `backend="eager"` leaves AOT autograd out too, for what dynamo alone
+    decides (frames, breaks)."""
     halves = activation_checkpointing._compiled  # full AC's compiled halves, made once per process
     halves.cache_clear()
     try:
-        with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend="aot_eager")):
+        with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=backend)):
             yield
     finally:
         halves.cache_clear()

@@ -5,7 +5,6 @@ GPU's grouped GEMMs are), so a block's only breaks are its own (the Gated DeltaN
 that opens each block's count); under FSDP the first block's routed experts are a unit of their own, whose hooks
 break its MoE. Rank 0 saves both runs' counts per block to <folder>/result.pt."""
 
-import functools
 import os
 from unittest import mock
 
@@ -17,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from models.qwen35_moe import Qwen35MoeModel, moe
 from parallel.parallelize import parallelize_qwen35_moe
 from tests.builders import debugmodel_4_layers, experts_in_one_graph
-from tests.compiled import batch_ids
+from tests.compiled import batch_ids, compiled_without_inductor
 
 
 def frames_per_block(mesh, ids: torch.Tensor) -> list[int]:
@@ -53,9 +52,7 @@ def count(folder: str) -> None:
     ids = batch_ids(0)
     # The frames and their breaks are dynamo's, decided before a backend compiles the graphs between them: the plain
     # eager backend runs them, without AOT autograd's joint graphs.
-    eager_backend = functools.partial(torch.compile, backend="eager")
-    with mock.patch.object(moe.RoutedExperts, "forward", experts_in_one_graph), \
-            mock.patch.object(torch, "compile", eager_backend):
+    with mock.patch.object(moe.RoutedExperts, "forward", experts_in_one_graph), compiled_without_inductor("eager"):
         fsdp = frames_per_block(init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)), ids)
         if dist.get_rank() == 0:  # the one-process model, compiled once
             torch.save({"fsdp": fsdp, "one_process": frames_per_block(None, ids)}, os.path.join(folder, "result.pt"))
