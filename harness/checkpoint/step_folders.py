@@ -26,7 +26,10 @@ from .plain_state import from_bytes
 
 logger = logging.getLogger(__name__)
 
-_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+# A step folder's name: ASCII digits, no leading zero, nothing after them (not even a newline). `\d` would take
+# Arabic-Indic or full-width digits and `$` a trailing newline, and int() reads them all: "step-06" or "step-٦"
+# would stand for step-6, a folder that does not exist.
+_STEP_FOLDER = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)
 ABANDONED = "abandoned-"  # + UTC time: checkpoints moved aside by a rollback or a failed verification
 
 
@@ -38,7 +41,17 @@ def _step_entries(folder: Path) -> dict[int, Path]:
     except (FileNotFoundError, NotADirectoryError):
         return {}
     return {int(m.group(1)): p for p in entries
-            if (m := _STEP_FOLDER.match(p.name)) and (p.is_symlink() or p.is_dir())}
+            if (m := _STEP_FOLDER.fullmatch(p.name)) and (p.is_symlink() or p.is_dir())}
+
+
+def _misnamed(folder: Path) -> list[str]:
+    """Entries under `folder` whose names start like a step's but are not one (`step-06`, `step-٦`, a trailing
+    newline): never read, pruned or set aside."""
+    try:
+        return sorted(repr(p.name) for p in folder.iterdir()
+                      if p.name.startswith("step-") and not _STEP_FOLDER.fullmatch(p.name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def is_complete(path: Path) -> bool | None:
@@ -115,6 +128,10 @@ def verified_resume_step(folder: str | Path, load_step: int = -1, group=None) ->
     rank, world = rank_world(group)
     if rank == 0:
         _reportset_aside(folder)
+        if misnamed := _misnamed(folder):
+            logger.warning("checkpoint: %s in %s %s not named step-<step> (ASCII digits, no leading zero): ignored, "
+                           "never resumed, pruned or moved", ", ".join(misnamed), folder,
+                           "is" if len(misnamed) == 1 else "are")
     listed = [sorted(_resume_candidates(folder))]
     if dist.is_initialized():  # rank 0's listing, so that every rank walks the same steps
         dist.broadcast_object_list(listed, src=0, group=group)
@@ -193,12 +210,16 @@ def set_aside(folder: Path, paths: list[Path], why: str) -> None:
         target, n = folder / f"{ABANDONED}{stamp}-{n}", n + 1
     target.mkdir()
     moved = []
-    for path in paths:
-        try:
-            path.rename(target / path.name)
-            moved.append(target / path.name)
-        except PermissionError:
-            path.rename(folder / f"{target.name}.{path.name}")
-            moved.append(folder / f"{target.name}.{path.name}")
+    try:
+        for path in paths:
+            try:
+                path.rename(target / path.name)
+                moved.append(target / path.name)
+            except PermissionError:
+                path.rename(folder / f"{target.name}.{path.name}")
+                moved.append(folder / f"{target.name}.{path.name}")
+    finally:
+        if not any(target.iterdir()):  # nothing moved into it: no empty abandoned-* left behind
+            target.rmdir()
     logger.warning("moved %s aside to %s (%s); pruning never touches them", ", ".join(p.name for p in paths),
                    ", ".join(sorted({str(p.parent if p.parent != folder else p) for p in moved})), why)

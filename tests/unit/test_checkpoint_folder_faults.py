@@ -97,6 +97,30 @@ def test_a_step_copied_under_a_newer_name_is_set_aside_and_the_run_equals_the_un
         assert len(list((dump / "checkpoint").glob(f"{ABANDONED}*/step-6"))) == 1
 
 
+
+def test_folders_named_like_steps_but_not_steps_are_ignored_and_the_intact_step_is_resumed(tmp_path, cache, capsys):
+    """Copies of step-2 named step-06, step-٦ (Arabic-Indic six), step-６ (full-width six) and "step-6\\n": int()
+    reads each as 6, yet none is the folder step-6. They are named once, left as they are, and step-2 resumes; no
+    empty abandoned-* is left behind."""
+    assert run(tmp_path / "ref", cache, "--training.steps", "4") == 0
+    dump = tmp_path / "run"
+    assert run(dump, cache, "--training.steps", "2") == 0
+    folder = dump / "checkpoint"
+    odd = ["step-06", "step-\u0666", "step-\uff16", "step-6\n"]
+    for name in odd:
+        shutil.copytree(folder / "step-2", folder / name)
+    before = {name: tree(folder / name) for name in odd}
+    for _ in range(2):  # every relaunch, not only the first
+        capsys.readouterr()
+        assert run(dump, cache, "--training.steps", "4") == 0
+        err = capsys.readouterr().err
+        said = [line for line in err.splitlines() if "not named step-<step>" in line]
+        assert len(said) == 1 and all(repr(name) in said[0] for name in odd), err
+    assert losses(dump) == losses(tmp_path / "ref")
+    assert {name: tree(folder / name) for name in odd} == before
+    assert not list(folder.glob(f"{ABANDONED}*"))
+    assert sorted(step_folders(folder)) == [2, 4]
+
 # ---- COMPLETE that vouches for nothing ----
 
 def test_a_complete_with_an_empty_file_map_fails_verification_and_the_previous_step_is_resumed(
