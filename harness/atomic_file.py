@@ -15,14 +15,14 @@ import secrets
 from pathlib import Path
 
 
-def write_whole(path: str | Path, text: str, durable: bool = False) -> None:
-    """`text` into `path` by a rename. `durable`: flushed to the disk before the rename, for files that must survive
+def write_whole(path: str | Path, text: str | bytes, durable: bool = False) -> None:
+    """`text` (or bytes, written as they are) into `path` by a rename. `durable`: flushed to the disk before the rename, for files that must survive
     a machine crash as well (a checkpoint's COMPLETE record, the metrics a resume rewrites)."""
     path = Path(path)
     tmp = path.with_name(f"tmp.{path.name}.{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # umask applies
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             if durable:
                 f.flush()

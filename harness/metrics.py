@@ -126,30 +126,46 @@ def max_memory_gib(device: torch.device) -> float:
     return kib / 1024**2
 
 
-def _records_up_to(text: str, step: int) -> list[str]:
-    """The lines of a metrics.jsonl whose step is at most `step` (an unreadable tail line is dropped)."""
-    kept = []
-    for line in text.splitlines(keepends=True):
+def _split_records(data: bytes, step: int) -> tuple[bytes, list[bytes]]:
+    """(the lines of a metrics.jsonl whose step is at most `step`, the damaged lines): a line is damaged when it is
+    not UTF-8, not a JSON object, or holds no integer step (a line cut by a kill, a byte flipped on disk, an edit)."""
+    kept, damaged = [], []
+    for line in data.splitlines(keepends=True):
         try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        except (ValueError, KeyError, TypeError):  # a line cut by a kill
+            record = json.loads(line.decode("utf-8"))
+            record_step = record["step"]
+            if not isinstance(record_step, int) or isinstance(record_step, bool):
+                raise TypeError(record_step)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+            if line.strip():
+                damaged.append(line if line.endswith(b"\n") else line + b"\n")
             continue
-    return kept
+        if record_step <= step:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+    return b"".join(kept), damaged
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:
     """Drops the lines of `path` beyond `step` by writing the kept ones to a temporary file renamed over it: at every
     moment the file holds either all its lines or the kept ones, never fewer (truncating it in place and writing
-    them back would leave it empty, or half written, to a kill in between)."""
+    them back would leave it empty, or half written, to a kill in between). Damaged lines are moved, not dropped:
+    into metrics-damaged-<UTC time>.jsonl beside it (written first), with one log line counting them."""
     if path.is_symlink():  # planted by someone else: never read or written through
         raise OSError(f"{path} is a symbolic link, which this run never writes; remove it")
     if not path.is_file():
         return
-    text = path.read_text()
-    kept = "".join(_records_up_to(text, step))
-    if kept == text:
+    data = path.read_bytes()
+    kept, damaged = _split_records(data, step)
+    if kept == data:
         return
+    if damaged:
+        stamp, n = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), 1
+        aside = path.with_name(f"metrics-damaged-{stamp}.jsonl")
+        while aside.exists():  # two launches within a second: never over the earlier one's
+            aside, n = path.with_name(f"metrics-damaged-{stamp}-{n}.jsonl"), n + 1
+        write_whole(aside, b"".join(damaged), durable=True)
+        logger.warning("metrics: %d damaged line(s) of %s (not UTF-8, not JSON, or without a step) moved to %s",
+                       len(damaged), path, aside)
     write_whole(path, kept, durable=True)
 
 

@@ -65,3 +65,24 @@ def test_the_trainer_resuming_leaves_the_earlier_steps_in_the_file_before_its_fi
         assert trainer.step == 3 and steps_on_disk(tmp_path) == [1, 2, 3]
     finally:
         trainer.close()
+
+
+def test_damaged_lines_are_moved_aside_counted_and_the_resume_goes_on(tmp_path, capsys):
+    """A byte that is not UTF-8, a line that is not JSON and a record without a step, in the middle of the file: the
+    resume keeps every good line up to its checkpoint, moves the three damaged ones (as they were) beside the file,
+    and says so in one line."""
+    run = [*FAST, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.log_freq", "1",
+           "--job.dump_folder", str(tmp_path)]
+    assert main([*run, "--training.steps", "4"]) == 0
+    path = tmp_path / "metrics.jsonl"
+    good = path.read_bytes().splitlines(keepends=True)
+    bad = [b'{"step": 2, "loss": 1.0, "note": "\xff\xfe"}\n', b"not json at all\n", b'{"loss": 3.0}\n']
+    path.write_bytes(good[0] + bad[0] + good[1] + bad[1] + good[2] + bad[2] + good[3])
+    capsys.readouterr()
+    assert main([*run, "--training.steps", "6"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "damaged line" in line]
+    aside = list(tmp_path.glob("metrics-damaged-*.jsonl"))
+    assert len(said) == 1 and "3 damaged line(s)" in said[0] and len(aside) == 1 and aside[0].name in said[0]
+    assert aside[0].read_bytes() == b"".join(bad)
+    assert steps_on_disk(tmp_path) == [1, 2, 3, 4, 5, 6]
+    assert path.read_bytes().startswith(b"".join(good[:4]))
