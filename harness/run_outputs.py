@@ -6,11 +6,15 @@ folder's metrics.jsonl, config.toml, hf/ (the end-of-run export) and hf-adapter/
 names. A launch makes them its own line's before it writes any (`claim_outputs`, rank 0):
 
 - resuming a checkpoint of the line run.json names: nothing moves (metrics.jsonl then keeps its records up to the
-  checkpoint's step: harness/metrics.py);
+  checkpoint's step: harness/metrics.py), but for the line's own outputs a launch killed midway left aside, which
+  come back;
 - starting afresh (nothing to resume), or resuming a checkpoint of another line: the outputs there are moved aside
   under names carrying their line's id (metrics-<id>.jsonl, config-<id>.toml, hf-<id>/), with one log line (deleted
   instead where job.other_run_outputs = "delete"); a resume then moves its own line's back from where an earlier
   launch set them aside.
+
+All or nothing: the renames come first and run.json naming the line last; a launch refused midway (a full disk)
+renames back what it moved, so the next launch finds the folder as this one found it.
 
 So a fresh relaunch never empties another run's metrics or replaces its export, and a resume continues exactly the
 records of its own line. Nothing is deleted unless asked; a rename moves a link itself, never what it points to. Outputs found
@@ -58,31 +62,58 @@ def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: st
     """Make the dump folder's outputs those of line `line` (the resumed checkpoint's; None: a fresh start, or a
     checkpoint saved before lines were named). Returns the line's id (new for a fresh start) and the log line saying
     what was set aside, deleted (`keep_others` False: job.other_run_outputs = "delete") or brought back (None when
-    nothing moved). `model` describes the run, for the next launch's line. OutputError when the file system refuses
-    a move."""
+    nothing moved). `model` describes the run, for the next launch's line.
+
+    All or nothing: the renames, then run.json naming the line; a failure anywhere (a full disk refusing run.json)
+    renames back what had moved, so the folder is as the launch found it, and raises OutputError. Another line's
+    outputs are deleted only once run.json names this one (set aside first, then deleted)."""
     folder = Path(folder)
+    done: list[tuple[str, str]] = []  # (from, to) of every rename made, to undo on failure
     moved, restored = [], []
     try:
         current = _read_run_file(folder)
         if resumed and (line is None or (current is not None and current["run"] == line)):
             line = line or (current["run"] if current is not None else new_run_id())  # the folder's line goes on
+            # its own outputs, if a launch that died between its renames and run.json left them aside
+            restored = [_rename(folder, set_aside_name(name, line), name, done) for name in OUTPUTS
+                        if not os.path.lexists(folder / name) and os.path.lexists(folder / set_aside_name(name, line))]
         else:
             line = line or new_run_id()
             present = [name for name in OUTPUTS if os.path.lexists(folder / name)]
             other = current["run"] if current is not None else _unnamed(folder, present)
-            moved = [_rename(folder, name, set_aside_name(name, other)) if keep_others else _delete(folder, name)
-                     for name in present]
+            moved = [_rename(folder, name, set_aside_name(name, other), done) for name in present]
             if resumed:
-                restored = [_rename(folder, set_aside_name(name, line), name) for name in OUTPUTS
+                restored = [_rename(folder, set_aside_name(name, line), name, done) for name in OUTPUTS
                             if os.path.lexists(folder / set_aside_name(name, line))]
         if current is None or current["run"] != line:
             write_whole(folder / RUN_FILE, json.dumps({"run": line, "model": model}) + "\n")
     except OSError as e:
-        raise OutputError(f"cannot set up the outputs of dump folder {folder}: {e}; free space or fix its "
+        undone = _undo(folder, done)
+        raise OutputError(f"cannot set up the outputs of dump folder {folder}: {e}; {undone}. Free space or fix its "
                           "permissions, or choose another job.dump_folder") from None
+    if not keep_others:
+        originals = dict((target, source) for source, target in done)
+        try:
+            moved = [originals[_delete(folder, name)] for name in moved]
+        except OSError as e:
+            raise OutputError(f"cannot delete another run's outputs in dump folder {folder} (job.other_run_outputs = "
+                              f"'delete'): {e}; what was not deleted is kept aside under its run's id") from None
     if not moved and not restored:
         return line, None
     return line, _describe(folder, current, moved, restored, model, keep_others)
+
+
+def _undo(folder: Path, done: list[tuple[str, str]]) -> str:
+    """Rename back, newest first, what `claim_outputs` renamed; says what the folder holds then."""
+    failed = []
+    for source, target in reversed(done):
+        try:
+            os.rename(folder / target, folder / source)
+        except OSError:
+            failed.append(f"{target} (was {source})")
+    if failed:
+        return "these could not be renamed back: " + ", ".join(failed)
+    return "nothing there was moved" if not done else "every output there is back under its own name"
 
 
 def _describe(folder: Path, current: dict | None, moved: list[str], restored: list[str], model: str,
@@ -123,11 +154,13 @@ def _delete(folder: Path, name: str) -> str:
     return name
 
 
-def _rename(folder: Path, name: str, new: str) -> str:
-    """`name` renamed to `new` in `folder` (never over an existing entry: a suffix is added); returns the name."""
+def _rename(folder: Path, name: str, new: str, done: list[tuple[str, str]]) -> str:
+    """`name` renamed to `new` in `folder` (never over an existing entry: a suffix is added), recorded in `done`;
+    returns the name."""
     target, n = new, 1
     while os.path.lexists(folder / target):
         stem, dot, suffix = new.partition(".")
         target, n = f"{stem}.{n}{dot}{suffix}", n + 1
     os.rename(folder / name, folder / target)
+    done.append((name, target))
     return target

@@ -79,3 +79,48 @@ def test_asked_to_delete_another_runs_outputs_a_fresh_launch_does_so_and_says_so
     assert len(said) == 1 and "deleted (job.other_run_outputs = 'delete'): metrics.jsonl, config.toml" in said[0]
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2]
     assert not list(tmp_path.glob(f"*{first_id}*"))
+
+
+def test_a_fresh_relaunch_refused_by_a_full_disk_leaves_the_earlier_runs_outputs_in_place(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """The relaunch sets the earlier run's files aside, then the disk refuses run.json: it renames them back (exit 2,
+    one line saying so), and the earlier run's resume continues its own metrics.jsonl, steps 1-6 in one file."""
+    import errno
+
+    import harness.run_outputs as run_outputs
+
+    saved = ["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--checkpoint.export_hf_at_end", "true"]
+    assert run(tmp_path, *saved, "--training.steps", "4") == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    export = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    real = run_outputs.write_whole
+
+    def full_disk(path, text, durable=False):
+        if Path(path).name == run_outputs.RUN_FILE:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, text, durable)
+
+    monkeypatch.setattr(run_outputs, "write_whole", full_disk)
+    capsys.readouterr()
+    assert run(tmp_path, "--training.steps", "2") == 2  # fresh: no checkpointing, so nothing to resume
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "No space left" in err[0] and "every output there is back under its own name" in err[0]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == export
+    monkeypatch.undo()
+    assert run(tmp_path, *saved, "--training.steps", "6") == 0
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert not list(tmp_path.glob("metrics-*.jsonl")) and not list(tmp_path.glob("hf-*"))
+
+
+def test_a_resume_brings_back_its_own_outputs_that_a_killed_launch_left_aside(tmp_path):
+    """A launch killed between its renames and run.json (SIGKILL: nothing to roll back) leaves the line's files under
+    their set-aside names while run.json still names the line: its resume brings them back."""
+    saved = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    assert run(tmp_path, *saved, "--training.steps", "2") == 0
+    line = run_id(tmp_path)
+    (tmp_path / "metrics.jsonl").rename(tmp_path / f"metrics-{line}.jsonl")
+    (tmp_path / "config.toml").rename(tmp_path / f"config-{line}.toml")
+    assert run(tmp_path, *saved, "--training.steps", "3") == 0
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert not list(tmp_path.glob(f"*-{line}*"))
