@@ -48,7 +48,8 @@ from models.qwen35_moe.lora import LoraArgs
 from .checkpoint.checkpointer import model_tensors
 from .checkpoint.errors import CheckpointError
 from .checkpoint.step_folders import step_folders
-from .checkpoint.hf_weights import ExportTensors, check_hf_export_folder, hf_native_tensors, write_hf_folder
+from .checkpoint.hf_weights import (ExportTensors, ExportUnit, check_hf_export_folder, hf_native_tensors,
+                                   write_hf_folder)
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 from .checkpoint.lora_merge import adapter_merges, expected_adapter_shapes, is_adapter_key, merged_reads
 from .checkpoint.peft_adapter import adapter_folder, write_peft_adapter
@@ -64,11 +65,15 @@ class ConvertError(ValueError):
 
 
 def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gib: float = 5.0,
-            base: str | None = None) -> Path:
-    """Write the step's HF folder at `out_dir` (and, for a LoRA step, its PEFT adapter beside it); `base`: the HF
-    folder of a LoRA run's base, if not where the run loaded it from."""
+            base: str | None = None) -> list[Path]:
+    """Write the step's HF folder at `out_dir` (and, for a LoRA step, its PEFT adapter beside it, published with it
+    as one unit); `base`: the HF folder of a LoRA run's base, if not where the run loaded it from. Returns the folders
+    written."""
     step_dir = Path(step_dir)
     meta_dir = step_dir / "hf"
+    if not step_dir.is_dir():
+        raise ConvertError(f"{step_dir}: no such folder" if not step_dir.exists() else
+                           f"{step_dir} is a file, not a checkpoint step folder")
     if not (step_dir / ".metadata").is_file():
         hint = " (it holds step-N folders: name one of them)" if any(step_dir.glob("step-*")) else ""
         raise ConvertError(f"{step_dir} is not a DCP checkpoint step folder: it has no .metadata{hint}")
@@ -111,13 +116,22 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
             if path.name != "config.json":
                 (shutil.copytree if path.is_dir() else shutil.copy2)(path, tmp / path.name)
 
-    write_hf_folder(out_dir, args, export_dtype, tensors.specs, tensors.fetch, extra_files,
-                    max_shard_bytes=int(max_shard_gib * 1024**3), source=step_dir)
-    if lora:
-        adapters = {k: tuple(md.size) for k, md in saved.items()}
-        for note in write_peft_adapter(adapter_folder(out_dir), lora_args, adapters, read, base or None, step_dir):
-            print(note)
-    return Path(out_dir)
+    unit = ExportUnit()  # a LoRA step's merged model and adapter: both written, or neither
+    try:
+        write_hf_folder(out_dir, args, export_dtype, tensors.specs, tensors.fetch, extra_files,
+                        max_shard_bytes=int(max_shard_gib * 1024**3), source=step_dir, unit=unit)
+        notes = []
+        if lora:
+            adapters = {k: tuple(md.size) for k, md in saved.items()}
+            notes = write_peft_adapter(adapter_folder(out_dir), lora_args, adapters, read, base or None, step_dir,
+                                       unit=unit)
+        unit.publish()
+    except BaseException:
+        unit.discard()
+        raise
+    for note in notes:
+        print(note)
+    return [folder for _, folder in unit.written]
 
 
 def _load(step_dir: Path, wanted: dict, what: str) -> dict:
@@ -241,11 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2
     try:
-        out = convert(args.step_dir, args.out_dir, args.dtype, shard_gib, args.base)
+        written = convert(args.step_dir, args.out_dir, args.dtype, shard_gib, args.base)
     except (ConvertError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    if len(written) == 2:
+        print(f"wrote {written[0]} (the merged model) and {written[1]} (the PEFT adapter)")
+    else:
+        print(f"wrote {written[0]}")
     return 0
 
 

@@ -1,6 +1,8 @@
 """One run per dump folder: an OS lock on <dump_folder>/.lock, held from before the run writes anything there until
-it ends; and on every other folder the run writes into (`written_folders`): the checkpoint folder, and the
-TensorBoard and profiling folders where a path leads them out of the dump folder.
+it ends; and on every other folder the run writes into (harness/run_folders.py `written_folders`): the checkpoint
+folder, and the TensorBoard and profiling folders where a path leads them out of the dump folder. A lock covers what
+lies under its folder: once it holds its own, a run is refused if another run holds a folder above one of its
+folders or under it (`--job.dump_folder RUN/hf` while RUN trains, or a dump folder holding a running run's).
 
 Two runs in one folder (a second launch by mistake, a requeued job racing a straggler) would interleave their
 metrics.jsonl lines, save checkpoints over each other's and prune each other's; the second is refused instead, with
@@ -31,11 +33,12 @@ import os
 import socket
 import stat
 import time
-from fcntl import LOCK_EX, LOCK_NB, LOCK_UN, flock
+from fcntl import LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, flock
 from typing import IO
 
 LOCK_FILE = ".lock"
 _HOLDER_WAIT_S = 2.0  # how long a refused launch waits for a holder that has just taken the lock to sign it
+_WALK_LIMIT = 10_000  # folders looked at under a run's folder for another run's lock
 
 
 class RunLockError(RuntimeError):
@@ -60,25 +63,6 @@ class RunLock:
             file.close()
 
 
-def written_folders(cfg) -> dict[str, str]:
-    """{config key: folder} of every folder a run of `cfg` writes into and locks: the dump folder, the checkpoint
-    folder (when checkpointing), and the TensorBoard / profiling folders that lie outside the dump folder."""
-    dump = cfg.job.dump_folder
-    folders = {"job.dump_folder": dump}
-    if cfg.checkpoint.enable:
-        folders["checkpoint.folder"] = os.path.join(dump, cfg.checkpoint.folder)
-    outputs = (("metrics.save_tb_folder", cfg.metrics.enable_tensorboard, cfg.metrics.save_tb_folder),
-               ("profiling.save_traces_folder", cfg.profiling.enable_profiling, cfg.profiling.save_traces_folder),
-               ("profiling.save_memory_snapshot_folder", cfg.profiling.enable_memory_snapshot,
-                cfg.profiling.save_memory_snapshot_folder))
-    inside = os.path.realpath(dump) + os.sep
-    for key, enabled, folder in outputs:
-        path = os.path.join(dump, folder)
-        if enabled and not (os.path.realpath(path) + os.sep).startswith(inside):
-            folders[key] = path
-    return folders
-
-
 def acquire_run_lock(folders: str | dict[str, str], rank: int, group=None) -> RunLock:
     """Rank 0 locks each folder (creating it) and every rank learns the verdict. `folders`: the dump folder, or
     {config key: folder} (`written_folders`; the key names the setting to change when refused). `group`: a CPU
@@ -88,12 +72,19 @@ def acquire_run_lock(folders: str | dict[str, str], rank: int, group=None) -> Ru
         folders = {"job.dump_folder": folders}
     lock, refusal = RunLock(), None
     if rank == 0:
-        files, seen = [], set()
+        files, own = [], {}  # {real path: (key, folder as given)}; two keys leading to one folder: one lock
+        for key, folder in folders.items():
+            own.setdefault(os.path.realpath(folder), (key, folder))
         try:
-            for key, folder in folders.items():
-                if os.path.realpath(folder) not in seen:  # two keys leading to one folder: one lock
-                    seen.add(os.path.realpath(folder))
-                    files.append(_lock(folder, key))
+            for real, (key, _) in own.items():  # before anything is created: nothing written inside a held folder
+                _refuse_held_above(real, key, set(own))
+            for key, folder in own.values():
+                files.append(_lock(folder, key))
+            # Again once this run holds its own: of two runs starting at once in nested folders, the later to look
+            # sees the other's lock (both may refuse; neither goes on beside the other)
+            for real, (key, _) in own.items():
+                _refuse_held_above(real, key, set(own))
+                _refuse_held_below(real, key, set(own))
             lock = RunLock(files)
         except RunLockError as err:
             RunLock(files).release()
@@ -145,6 +136,56 @@ def _lock(folder: str, key: str) -> IO[bytes]:
         file.close()
         raise RunLockError(f"cannot lock {path}: {e.strerror}; free space, or choose another {key}") from None
     return file
+
+
+def _refuse_held_above(folder: str, key: str, own: set[str]) -> None:
+    """RunLockError if another run holds a folder above `folder` (a real path): a run's lock covers what lies under
+    its folder."""
+    above = os.path.dirname(folder)
+    while True:
+        holder = None if above in own else _held_by_another(os.path.join(above, LOCK_FILE))
+        if holder is not None:
+            raise RunLockError(f"{folder} lies inside {above}, which is in use by {holder}: a run's folder covers "
+                               f"everything under it; choose another {key}")
+        if os.path.dirname(above) == above:
+            return
+        above = os.path.dirname(above)
+
+
+def _refuse_held_below(folder: str, key: str, own: set[str]) -> None:
+    """RunLockError if another run holds a folder under `folder` (a real path), among the first _WALK_LIMIT looked
+    at; step folders are not entered (a checkpoint holds no run's folder)."""
+    for seen, (root, dirs, files) in enumerate(os.walk(folder)):  # never follows a link
+        if seen >= _WALK_LIMIT:
+            return
+        dirs[:] = [d for d in dirs if not d.startswith(("step-", "abandoned-"))]
+        if root == folder or LOCK_FILE not in files or os.path.realpath(root) in own:
+            continue
+        holder = _held_by_another(os.path.join(root, LOCK_FILE))
+        if holder is not None:
+            raise RunLockError(f"{folder} holds {root}, which is in use by {holder}: a run's folder may not hold "
+                               f"another running run's; choose another {key}")
+
+
+def _held_by_another(path: str) -> str | None:
+    """Who holds the lock file `path`, if another process does; None if none does, or there is no such plain file.
+    Tested with a shared lock taken and dropped at once: it never blocks the holder, and a run locking the file in
+    that instant is refused as if the two overlapped, which they do."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb", buffering=0) as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            flock(fd, LOCK_SH | LOCK_NB)
+        except BlockingIOError:
+            return _holder(file)
+        except OSError:  # a file system without locks: nothing to learn here
+            return None
+        flock(fd, LOCK_UN)
+    return None
 
 
 def _holder(file: IO[bytes]) -> str:

@@ -27,7 +27,8 @@ from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.step_folders import step_folders, verified_resume_step
 from .checkpoint.lora_base import lora_record
 from .checkpoint.peft_adapter import adapter_folder, export_peft_adapter
-from .checkpoint.hf_weights import check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
+from .checkpoint.errors import CheckpointError, ExportRefused
+from .checkpoint.hf_weights import ExportUnit, check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
 from .config import JobConfig, to_toml, validate_parallelism
 from .data.chat import chat_options
 from .data.loader import build_dataloader
@@ -40,7 +41,8 @@ from .optim.optimizer import build_optimizer
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
 from .config.resume import apply_optimizer_settings, other_changes
-from .run_lock import acquire_run_lock, written_folders
+from .run_folders import written_folders
+from .run_lock import acquire_run_lock
 from .run_outputs import OutputError, claim_outputs
 from .runtime import GarbageSchedule, cpu_process_group, init_process_group, pick_device, set_seed
 from .step_metrics import StepLog, StepValues, TrainingDivergedError
@@ -311,21 +313,73 @@ class Trainer:
     def export_folder(self) -> str:
         return os.path.join(self.cfg.job.dump_folder, "hf")
 
+    def _export_names(self, folder: str) -> str:
+        """The export's folder, and its PEFT adapter's for a LoRA run, in a few words."""
+        return f"{folder} and {adapter_folder(folder)}" if self.cfg.lora.enable else folder
+
     def export_hf(self) -> None:
-        """Write the trained weights as a Hugging Face folder at <dump_folder>/hf."""
-        self.exporting = True
-        export_hf(self.model, self.model_args, self.export_folder, DTYPES[self.cfg.checkpoint.export_dtype],
-                  tokenizer=self.tokenizer)
-        lora = lora_args(self.cfg)
-        if lora is not None:  # the merged model above; the adapters beside it, as PEFT loads them
-            export_peft_adapter(self.model, self.model_args, lora, adapter_folder(self.export_folder),
-                                base=self.cfg.checkpoint.initial_load_hf)
+        """Write the trained weights as a Hugging Face folder at <dump_folder>/hf, and a LoRA run's PEFT adapter at
+        <dump_folder>/hf-adapter: one unit, both of this step or both as they were (hf_weights.ExportUnit).
+
+        A folder that is no longer one an export may replace (something else was put there during the training): the
+        export is written beside it, under a new name, and the run ends with one error line saying where. Any other
+        failure (a full disk) ends with one line saying exactly what of the run is on disk."""
+        self.exporting, started = True, time.perf_counter()
+        try:
+            written = self._export_to(self.export_folder)
+        except ExportRefused as refused:
+            beside = self._free_export_folder()
+            try:
+                self._export_to(beside)
+            except CheckpointError as failed:
+                raise CheckpointError(f"{refused}; writing the export beside it, to {beside}, failed too: {failed}; "
+                                      f"{self.what_is_saved()}", every_rank=True) from None
+            self.exporting = False
+            raise ExportRefused(f"{refused}; this run's export was written beside it instead: "
+                                f"{self._export_names(beside)}", every_rank=True) from None
+        except CheckpointError as failed:
+            raise CheckpointError(f"{failed}; {self.what_is_saved()}", every_rank=True) from None
         self.exporting = False
+        if self.rank == 0:
+            print(f"[{self.cfg.job.name}] exported {written} in {time.perf_counter() - started:.1f} s", flush=True)
+
+    def _export_to(self, folder: str) -> str:
+        """The export (and a LoRA run's adapter) written to `folder` as one unit; returns what was written."""
+        self.export_unit = unit = ExportUnit()
+        try:
+            export_hf(self.model, self.model_args, folder, DTYPES[self.cfg.checkpoint.export_dtype],
+                      tokenizer=self.tokenizer, unit=unit)
+            lora = lora_args(self.cfg)
+            if lora is not None:  # the merged model above; the adapters beside it, as PEFT loads them
+                export_peft_adapter(self.model, self.model_args, lora, adapter_folder(folder),
+                                    base=self.cfg.checkpoint.initial_load_hf, unit=unit)
+            unit.publish()
+        except BaseException:
+            unit.discard()
+            raise
+        return " and ".join(str(written) for _, written in unit.written)
+
+    def _free_export_folder(self) -> str:
+        """A new name beside the export folder for this step's export (and its adapter's): <hf>-step-N[.k]."""
+        base, n = f"{os.path.abspath(self.export_folder)}-step-{self.step}", 0
+        folder = base
+        while os.path.lexists(folder) or os.path.lexists(adapter_folder(folder)):
+            n += 1
+            folder = f"{base}.{n}"
+        return folder
 
     def what_is_saved(self) -> str:
-        """What of this run is on disk, in a few words, for the line of a run stopped before its end (Ctrl-C twice)."""
-        export = (f"the Hugging Face export to {self.export_folder} was not written (an earlier one there is left as "
-                  "it was); " if self.exporting else "")
+        """What of this run is on disk, in a few words, for the line of a run stopped before its end (Ctrl-C twice)
+        or whose export failed."""
+        names, pair = self._export_names(self.export_folder), self.cfg.lora.enable
+        unit = getattr(self, "export_unit", None)
+        if unit is not None and unit.published:
+            export = f"the export is written, {names}, {'both ' if pair else ''}of step {self.step}; "
+        elif self.exporting:
+            export = (f"the Hugging Face export to {names} {'were' if pair else 'was'} not written (the earlier "
+                      f"{'pair' if pair else 'one'} there is left as it was); ")
+        else:
+            export = ""
         complete = step_folders(self.checkpointer.folder) if self.checkpointer is not None else {}
         if not complete:
             return export + ("no checkpoint of this run is saved" if self.checkpointer is not None else

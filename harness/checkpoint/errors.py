@@ -21,10 +21,15 @@ class CheckpointError(RuntimeError):
         self.every_rank = every_rank
 
 
-def agreed(error: str | None, group=None) -> str | None:
-    """The first rank's error (None: no rank has one), the same on every rank: what each rank found alone (its own
-    files, a write only it made) becomes every rank's decision, and no rank is left waiting at a collective for one
-    that has raised."""
+class ExportRefused(CheckpointError):
+    """An export folder this program may not replace (it holds something else, or the checkpoint it is made from):
+    a run at its end writes its export beside it instead (harness/trainer.py)."""
+
+
+def agreed(error, group=None):
+    """The first rank's error (a message, or any picklable value; None: no rank has one), the same on every rank:
+    what each rank found alone (its own files, a write only it made) becomes every rank's decision, and no rank is
+    left waiting at a collective for one that has raised."""
     if not dist.is_initialized():
         return error
     errors = [None] * dist.get_world_size(group)

@@ -24,7 +24,10 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -43,7 +46,7 @@ from models.qwen35_moe.hf_checkpoint import (
     fresh_temporary_folder,
     restore_unpublished,
     plan_shards,
-    publish_folder,
+    publish_folders,
     shard_names,
     temporary_folder,
     write_hf_metadata,
@@ -52,7 +55,7 @@ from models.qwen35_moe.hf_checkpoint import (
 from models.qwen35_moe.init import canonical_name
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
-from .errors import CheckpointError, agreed
+from .errors import CheckpointError, ExportRefused, agreed
 from .lora_merge import is_adapter_key, merged_reads, model_merges
 
 logger = logging.getLogger(__name__)
@@ -133,14 +136,15 @@ def check_hf_export_folder(folder: str | Path, source: str | Path | None = None)
             refusal = f"cannot look into {folder} or the folders beside it: {e}; name another output folder"
     refusal = agreed(refusal)
     if refusal is not None:
-        raise CheckpointError(refusal, every_rank=True)
+        raise ExportRefused(refusal, every_rank=True)
 
 
 def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
                     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                     fetch: Callable[[list[str], bool], Iterable[tuple[str, torch.Tensor | None]]],
                     extra_files: Callable[[Path], None] | None = None,
-                    max_shard_bytes: int = MAX_SHARD_BYTES, source: str | Path | None = None) -> None:
+                    max_shard_bytes: int = MAX_SHARD_BYTES, source: str | Path | None = None,
+                    unit: ExportUnit | None = None) -> None:
     """Write an HF folder shard by shard; called by every rank alike (`specs`: export dtype and shape of every
     HF key). `fetch(keys, keep)` yields (key, tensor) for those HF keys, in sorted order and export dtype, one at
     a time: the tensor where `keep` (the shard's owner, who writes it to disk at once), None elsewhere. It may
@@ -149,29 +153,32 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
     `folder` is first checked (`check_hf_export_folder`, with `source` the checkpoint it is made from): a folder
     that is not an export of ours is never replaced. Everything is written into `<folder>.tmp` and renamed into
     place at the end: a write the file system refuses (a full disk) on any rank raises CheckpointError on every
-    rank, the temporary folder is removed and `folder` stays as it was."""
+    rank, the temporary folder is removed and `folder` stays as it was. With `unit`, the folder is published with the
+    unit's others (`ExportUnit.publish`), not at once."""
     shards = plan_shards(specs, max_shard_bytes)
     files = {name: {k: specs[k] for k in keys} for name, keys in zip(shard_names(len(shards)), shards)}
     write_export_folder(folder, files, fetch,
-                        lambda tmp: write_hf_metadata(tmp, args, dtype, shards, specs, extra_files), source)
+                        lambda tmp: write_hf_metadata(tmp, args, dtype, shards, specs, extra_files), source, unit)
 
 
 def write_export_folder(folder: str | Path, files: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]],
                         fetch: Callable[[list[str], bool], Iterable[tuple[str, torch.Tensor | None]]],
-                        finish: Callable[[Path], None], source: str | Path | None = None) -> None:
+                        finish: Callable[[Path], None], source: str | Path | None = None,
+                        unit: ExportUnit | None = None) -> None:
     """write_hf_folder for any export folder (the PEFT adapter's too): `files`, each safetensors file's name and the
     export dtype and shape of its keys, file i written by rank i % W with `fetch` as above; then rank 0's
-    `finish(tmp)` writes the other files into the temporary folder, which is published, with the same checks and
-    the same failures as write_hf_folder's."""
+    `finish(tmp)` writes the other files into the temporary folder, which is published (or, with `unit`, left for
+    the unit to publish with its others), with the same checks and the same failures as write_hf_folder's."""
     check_hf_export_folder(folder, source)
     rank, world = _rank_world()
     tmp = temporary_folder(folder)
 
-    def unwritable(path: Path, e: OSError) -> str:
-        if isinstance(e, ExportFolderRefused):  # the folders changed since the check
-            return str(e)
+    def unwritable(path: Path, e: OSError) -> tuple[str, bool]:
+        """The failure as (message, whether the folder was refused: it changed since the check)."""
+        if isinstance(e, ExportFolderRefused):
+            return str(e), True
         return (f"cannot write the Hugging Face folder {folder}: {path}: {e}; nothing was replaced there. Free space "
-                "(or fix the file system), then export again (python -m harness.convert converts a checkpoint step)")
+                "(or fix the file system), then export again", False)
 
     error, tmp_is_ours = None, True
     if rank == 0:
@@ -180,7 +187,7 @@ def write_export_folder(folder: str | Path, files: dict[str, dict[str, tuple[tor
         except OSError as e:
             error, tmp_is_ours = unwritable(tmp, e), not isinstance(e, ExportFolderRefused)
     try:
-        error = _write_and_publish(folder, files, fetch, finish, tmp, error, unwritable)
+        error = _write_and_publish(folder, files, fetch, finish, tmp, error, unwritable, unit is None)
     except KeyboardInterrupt:  # a second Ctrl-C: no partial folder is left, and the earlier export stays in place
         if rank == 0 and tmp_is_ours:
             restore_unpublished(folder)
@@ -188,12 +195,16 @@ def write_export_folder(folder: str | Path, files: dict[str, dict[str, tuple[tor
     if error is not None:
         if rank == 0 and tmp_is_ours:
             shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
-        raise CheckpointError(error, every_rank=True)
+        message, refused = error
+        raise (ExportRefused if refused else CheckpointError)(message, every_rank=True)
+    if unit is not None:
+        unit.written.append((tmp, Path(folder)))
 
 
-def _write_and_publish(folder, files, fetch, finish, tmp: Path, error: str | None, unwritable) -> str | None:
-    """write_export_folder's files, then rank 0's finishing and publishing; the error every rank agrees on (None:
-    written)."""
+def _write_and_publish(folder, files, fetch, finish, tmp: Path, error: tuple[str, bool] | None, unwritable,
+                       publish: bool) -> tuple[str, bool] | None:
+    """write_export_folder's files, then rank 0's finishing and (`publish`) publishing; the failure every rank agrees
+    on (None: written)."""
     rank, world = _rank_world()
     if agreed(error) is None:
         for i, (name, specs) in enumerate(files.items()):
@@ -209,14 +220,63 @@ def _write_and_publish(folder, files, fetch, finish, tmp: Path, error: str | Non
     if error is None and rank == 0:
         try:
             finish(tmp)
-            publish_folder(tmp, folder)
+            if publish:
+                publish_folders([(tmp, folder)])
         except OSError as e:
             error = unwritable(tmp, e)
     return agreed(error)
 
 
+class ExportUnit:
+    """Export folders published together, both new or both as they were (a LoRA run's merged model and its PEFT
+    adapter): each is written whole into its temporary folder (`write_export_folder(..., unit=this)`), then
+    `publish` renames them all into place at once, with SIGINT and SIGTERM held off for those renames (a Ctrl-C
+    then lands just after them). A stop or failure before that: `discard` removes the temporary folders, and every
+    earlier export stays as it was. Every rank calls `publish` and `discard` alike; rank 0 acts."""
+
+    def __init__(self):
+        self.written: list[tuple[Path, Path]] = []  # (temporary folder, folder), on every rank
+        self.published = False
+
+    def publish(self) -> None:
+        error = None
+        if _rank_world()[0] == 0:
+            try:
+                with _signals_held():
+                    publish_folders(self.written)
+                    self.published = True
+            except OSError as e:
+                error = (f"cannot publish {' and '.join(str(f) for _, f in self.written)}: {e}; nothing was replaced "
+                         "there", isinstance(e, ExportFolderRefused))
+        error = agreed(error)
+        if error is not None:
+            self.discard()
+            message, refused = error
+            raise (ExportRefused if refused else CheckpointError)(message, every_rank=True)
+
+    def discard(self) -> None:
+        if _rank_world()[0] == 0 and not self.published:
+            for _, folder in self.written:
+                restore_unpublished(folder)
+
+
+@contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM blocked for the block (in the main thread: where Python runs its handlers); a signal sent
+    meanwhile is delivered when it ends."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+              max_shard_bytes: int = MAX_SHARD_BYTES, unit: ExportUnit | None = None) -> None:
     """Write the (possibly sharded) model as a Hugging Face folder, every rank writing its share of the shards.
 
     With `tokenizer` (the one the run trained with), the folder also holds its tokenizer files, config.json
@@ -238,9 +298,9 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
     shapes = {k: tuple(v.shape) for k, v in state.items() if not is_adapter_key(k)}
     tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), shapes, dtype, read)
     args, extra_files = with_tokenizer(args, tokenizer)
-    write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes)
-    logger.info("exported Hugging Face checkpoint to %s in %.1f s", os.path.abspath(folder),
-                time.perf_counter() - started)
+    write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes, unit=unit)
+    logger.info("%s Hugging Face checkpoint to %s in %.1f s", "exported" if unit is None else "wrote",
+                os.path.abspath(folder), time.perf_counter() - started)
 
 
 class ExportTensors:

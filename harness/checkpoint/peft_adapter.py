@@ -42,7 +42,7 @@ from models.qwen35_moe.init import canonical_name
 from models.qwen35_moe.lora import LoraArgs, adapted_modules
 
 from .errors import CheckpointError
-from .hf_weights import write_export_folder
+from .hf_weights import ExportUnit, write_export_folder
 from .lora_merge import ADAPTER, expected_adapter_shapes, is_adapter_key
 
 logger = logging.getLogger(__name__)
@@ -124,12 +124,13 @@ def peft_config(lora: LoraArgs, layout: PeftLayout, base: str | None) -> dict:
 
 def write_peft_adapter(folder: str | Path, lora: LoraArgs, shapes: dict[str, tuple[int, ...]],
                        read: Callable[[str], torch.Tensor], base: str | None = None,
-                       source: str | Path | None = None) -> list[str]:
+                       source: str | Path | None = None, unit: ExportUnit | None = None) -> list[str]:
     """Write the PEFT adapter folder of the native adapters `shapes` (key -> shape), each read whole by `read` (a
     collective under FSDP: every rank calls this alike, rank 0 writes), trained with `lora` on the base `base` (its
     HF folder, as the run named it; None: drawn from the seed). The folder rules are the merged export's
-    (write_export_folder, `source` the checkpoint it is made from). Returns the lines saying what PEFT's folder
-    leaves out or states otherwise (also logged); no folder is written when it would hold nothing."""
+    (write_export_folder, `source` the checkpoint it is made from; with `unit`, published with the merged model).
+    Returns the lines saying what PEFT's folder leaves out or states otherwise (also logged); no folder is written
+    when it would hold nothing."""
     layout = peft_layout(shapes)
     notes = []
     if layout.left_out:
@@ -156,12 +157,12 @@ def write_peft_adapter(folder: str | Path, lora: LoraArgs, shapes: dict[str, tup
     def finish(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
-    write_export_folder(folder, {WEIGHTS_NAME: specs}, fetch, finish, source)
+    write_export_folder(folder, {WEIGHTS_NAME: specs}, fetch, finish, source, unit)
     return notes
 
 
 def export_peft_adapter(model: nn.Module, args: Qwen35MoeArgs, lora: LoraArgs, folder: str | Path,
-                        base: str | None = None) -> list[str]:
+                        base: str | None = None, unit: ExportUnit | None = None) -> list[str]:
     """Write the adapters of `model` (possibly sharded: every rank calls this) as a PEFT adapter folder
     (`write_peft_adapter`); `args` and `lora` are the model's shape and adapters, checked against it (the config
     states rank and alpha, the tensors come from the model), `base` the HF folder the run loaded its base from
@@ -179,4 +180,4 @@ def export_peft_adapter(model: nn.Module, args: Qwen35MoeArgs, lora: LoraArgs, f
         tensor = state[key]
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
 
-    return write_peft_adapter(folder, lora, ours, gathered, base or None)
+    return write_peft_adapter(folder, lora, ours, gathered, base or None, unit=unit)

@@ -1,5 +1,6 @@
 """What the run reads, checked before any worker starts: paths that must exist (dataset, validation set, tokenizer, HF
-config and checkpoint), a known model flavor, a tokenizer that fits the model's vocabulary, chat data from a source
+config and checkpoint), folders it writes that do not overlap its own outputs or another run's
+(harness/run_folders.py), a known model flavor, a tokenizer that fits the model's vocabulary, chat data from a source
 that holds rows and a tokenizer with a chat template, a context-parallel degree that divides the rows and the Gated
 DeltaNet heads, an expert-parallel degree that divides the experts. Part of the one validation pass
 (harness/config/validate.py). Runs without torch: the models' args and flavors are plain Python.
@@ -14,6 +15,7 @@ from models.qwen35_moe.args import Qwen35MoeArgs
 from models.qwen35_moe.flavors import qwen35_moe_flavors
 
 from ..data.chat import chat_template_problem
+from ..run_folders import folder_problems
 from .schema import JobConfig
 
 _TO_SET = "set it in the config file or with --{key} PATH"
@@ -34,6 +36,9 @@ def run_requirement_problems(cfg: JobConfig, rejected: frozenset[str] = frozense
         problems += _chat_problems(cfg)
     if reads("checkpoint.initial_load_hf"):
         problems += _checkpoint_problems(cfg)
+    if reads("job.dump_folder", "checkpoint.folder", "checkpoint.enable", "metrics.save_tb_folder",
+             "training.dataset_cache_dir"):
+        problems += folder_problems(cfg)
     if not reads("model.hf_config", "model.flavor"):
         return problems
     args, model_problems = _model_args(cfg)

@@ -270,26 +270,45 @@ def write_hf_metadata(tmp: Path, args: Qwen35MoeArgs, dtype: torch.dtype, shards
 
 
 def publish_folder(tmp: Path, folder: str | Path) -> Path:
-    """Make a complete temporary folder readable by all, flush it and rename it into place. An existing folder is
+    """Make a complete temporary folder readable by all, flush it and rename it into place (`publish_folders`)."""
+    return publish_folders([(tmp, folder)])[0]
+
+
+def publish_folders(pairs: list[tuple[Path, str | Path]]) -> list[Path]:
+    """Publish complete temporary folders as one unit (a LoRA run's merged model and its PEFT adapter): each made
+    readable by all and flushed, then every folder they replace moved to `<folder>.old`, each temporary folder renamed
+    into place, and the `.old` ones deleted last. A failure between the renames puts every earlier folder back (and
+    leaves the temporary folders for the caller to remove): both new, or both as they were. An existing folder is
     replaced only if it is an export of this program or empty (`export_folder_refusal`, asked again here: the folder
-    may have changed since the export began); ExportFolderRefused otherwise, the temporary folder left for the caller
-    to remove."""
-    refusal = export_folder_refusal(folder)
-    if refusal is not None:
-        raise ExportFolderRefused(refusal)
-    folder = Path(folder).resolve()
-    _make_readable(tmp)
-    _fsync_folder(tmp)
-    backup = _set_aside_folder(folder)
-    if backup.exists():  # left by an export that died between the two renames
-        shutil.rmtree(backup)
-    if folder.exists():
-        folder.rename(backup)
-        tmp.rename(folder)
-        shutil.rmtree(backup)
-    else:
-        tmp.rename(folder)
-    return folder
+    may have changed since the export began); ExportFolderRefused otherwise, before anything is renamed."""
+    for _, folder in pairs:
+        refusal = export_folder_refusal(folder)
+        if refusal is not None:
+            raise ExportFolderRefused(refusal)
+    for tmp, _ in pairs:
+        _make_readable(tmp)
+        _fsync_folder(tmp)
+    folders = [Path(folder).resolve() for _, folder in pairs]
+    for folder in folders:
+        backup = _set_aside_folder(folder)
+        if backup.exists():  # left by an export that died between the renames
+            shutil.rmtree(backup)
+    renamed: list[tuple[Path, Path]] = []  # (from, to), to undo
+    try:
+        for folder in folders:
+            if folder.exists():
+                folder.rename(_set_aside_folder(folder))
+                renamed.append((folder, _set_aside_folder(folder)))
+        for (tmp, _), folder in zip(pairs, folders):
+            tmp.rename(folder)
+            renamed.append((tmp, folder))
+    except BaseException:
+        for source, target in reversed(renamed):
+            target.rename(source)
+        raise
+    for folder in folders:
+        shutil.rmtree(_set_aside_folder(folder), ignore_errors=True)
+    return folders
 
 
 def restore_unpublished(folder: str | Path) -> None:

@@ -65,3 +65,81 @@ def test_a_second_ctrl_c_stops_the_export_leaving_no_partial_folder_and_says_wha
     assert f"python -m harness.convert {step_2} <folder> exports it" in said[0]
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == earlier
     assert not (tmp_path / "hf.tmp").exists() and not (tmp_path / "hf.old").exists()
+
+
+LORA = ["--lora.enable", "true", "--optimizer.lr", "1e-2"]
+
+
+def folders(dump) -> dict[str, dict[str, bytes]]:
+    """The bytes of a LoRA run's two exports."""
+    return {name: {p.name: p.read_bytes() for p in (dump / name).iterdir()} for name in ("hf", "hf-adapter")}
+
+
+@pytest.mark.parametrize("when", ["writing the adapter", "publishing the pair"])
+def test_ctrl_c_twice_during_a_lora_runs_exports_leaves_both_of_one_step_and_names_which(
+        tmp_path, capsys, monkeypatch, when):
+    """The merged model and its PEFT adapter are one unit. Two Ctrl-C while the adapter is written (the merged model
+    already in its temporary folder): neither is replaced, and the line says the earlier pair is left. A first Ctrl-C
+    as the merged model is written, the second as the pair is renamed into place: it lands after the renames, both
+    are this step's, and the line says so."""
+    assert main([*FAST, *LORA, "--training.steps", "1", "--job.dump_folder", str(tmp_path)]) == 0
+    earlier = folders(tmp_path)
+    if when == "writing the adapter":
+        write_shard, calls = hf_weights.write_shard, []
+
+        def interrupted(path, *args, **kwargs):
+            calls.append(path)
+            if path.parent.name == "hf-adapter.tmp":
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+            return write_shard(path, *args, **kwargs)
+
+        monkeypatch.setattr(hf_weights, "write_shard", interrupted)
+    else:
+        ctrl_c_while_exporting(monkeypatch, times=1)
+        publish = hf_weights.publish_folders
+
+        def interrupted(pairs):
+            os.kill(os.getpid(), signal.SIGINT)  # held off until the renames are done
+            return publish(pairs)
+
+        monkeypatch.setattr(hf_weights, "publish_folders", interrupted)
+    capsys.readouterr()
+    assert main([*FAST, *LORA, "--training.steps", "2", "--job.dump_folder", str(tmp_path)]) == INTERRUPTED
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("interrupted at step 2 (Ctrl-C twice): ")]
+    assert len(said) == 1 and "Traceback" not in err, err
+    names = f"{tmp_path / 'hf'} and {tmp_path / 'hf-adapter'}"
+    now = folders(tmp_path)
+    if when == "writing the adapter":
+        assert f"the Hugging Face export to {names} were not written (the earlier pair there is left" in said[0]
+        assert now == earlier
+    else:
+        assert f"the export is written, {names}, both of step 2" in said[0]
+        assert now["hf"] != earlier["hf"] and now["hf-adapter"] != earlier["hf-adapter"]
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old"))
+
+
+def test_an_export_folder_taken_during_the_training_gets_the_export_beside_it_and_one_line(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Something else put in hf/ after the start's check (here: as the last step runs): the run's export, which may
+    be all that is saved (checkpointing off), is written beside it, and the line says where; hf/ is left as it is."""
+    import harness.trainer as trainer
+
+    run = [*FAST, "--checkpoint.enable", "false", "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+    train = trainer.Trainer.train
+
+    def train_then_take_hf(self):
+        values = train(self)
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "notes.txt").write_text("the user's own\n")
+        return values
+
+    monkeypatch.setattr(trainer.Trainer, "train", train_then_take_hf)
+    assert main(run) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    beside = tmp_path / "hf-step-2"
+    assert len(err) == 1 and "is not an export of this program" in err[0], err
+    assert err[0].endswith(f"this run's export was written beside it instead: {beside}")
+    assert json.loads((beside / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["notes.txt"]

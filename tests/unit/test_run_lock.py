@@ -125,7 +125,7 @@ def test_two_runs_with_one_absolute_checkpoint_folder_are_refused_naming_the_set
     writes nothing into it (before, both saved steps there and one resumed the other's weights)."""
     shared = tmp_path / "shared_checkpoints"
     from harness.config import DEFAULT_CONFIG, load_config
-    from harness.run_lock import written_folders
+    from harness.run_folders import written_folders
 
     first = load_config(["--config", str(DEFAULT_CONFIG), "--job.dump_folder", str(tmp_path / "a"),
                          "--checkpoint.enable", "true", "--checkpoint.folder", str(shared)])
