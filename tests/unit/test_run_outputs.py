@@ -91,7 +91,7 @@ def test_a_fresh_relaunch_refused_by_a_full_disk_leaves_the_earlier_runs_outputs
 
     saved = ["--checkpoint.enable", "true", "--checkpoint.interval", "4", "--checkpoint.export_hf_at_end", "true"]
     assert run(tmp_path, *saved, "--training.steps", "4") == 0
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"}
     export = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
     real = run_outputs.write_whole
 
@@ -105,7 +105,7 @@ def test_a_fresh_relaunch_refused_by_a_full_disk_leaves_the_earlier_runs_outputs
     assert run(tmp_path, "--training.steps", "2") == 2  # fresh: no checkpointing, so nothing to resume
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "No space left" in err[0] and "every output there is back under its own name" in err[0]
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"} == before
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == export
     monkeypatch.undo()
     assert run(tmp_path, *saved, "--training.steps", "6") == 0
