@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .atomic_file import write_whole
 from .config import ConfigError, check_launch, with_default_config
+from .gpus import visible_gpus
 from .train import BAD_INPUT, ERROR_FILE, EXIT_FILE, INTERRUPTED, PID_FILE, STARTING, STOP_FILE, recorded
 
 
@@ -41,15 +42,6 @@ def _error_line(rank, error: str) -> str:
     """A worker's `error: ...` line as the launcher shows it, `error: ... (rank R)`: it starts with `error:` under
     torchrun too, where torchrun tags each worker line `[rankR]:`."""
     return f"{error.rstrip()} (rank {rank})\n"
-
-
-def visible_gpus() -> int:
-    """GPUs this process may use, counted without importing torch (CUDA_VISIBLE_DEVICES, else the driver's list)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    driver = Path("/proc/driver/nvidia/gpus")
-    return len(list(driver.iterdir())) if driver.is_dir() else 0
 
 
 def cpu_thread_settings(procs_per_node: int, environ: dict[str, str]) -> dict[str, str]:

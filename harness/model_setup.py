@@ -6,13 +6,12 @@ the device -> initial weights from the seed (the same at any world size) or from
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor
+from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
 from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward, refuse_fla_hopper_backward
 from models.qwen35_moe.kernels.gated_delta_rule import require_fla
 from models.qwen35_moe.lora import LoraArgs, add_adapters, hold_frozen_in
@@ -23,6 +22,7 @@ from parallel.vocab_parallel import resolve_vocab_parallel
 
 from .checkpoint.hf_weights import load_hf_weights
 from .config import JobConfig
+from .config.run_requirements import model_args_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_model_args(cfg: JobConfig, vocab_size: int) -> Qwen35MoeArgs:
-    args = Qwen35MoeArgs.from_hf_config(cfg.model.hf_config) if cfg.model.hf_config else get_flavor(cfg.model.flavor)
-    if cfg.model.mtp_num_hidden_layers >= 0:
-        args = dataclasses.replace(args, mtp_num_hidden_layers=cfg.model.mtp_num_hidden_layers)
+    args, problems = model_args_of(cfg)
+    if args is None:
+        raise ValueError(problems[0])
     if vocab_size > args.vocab_size:
         raise ValueError(
             f"tokenizer has {vocab_size} tokens but model flavor {cfg.model.flavor!r} has vocab_size "

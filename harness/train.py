@@ -94,7 +94,7 @@ def _main(argv: list[str] | None) -> int:
 
     try:
         trainer = Trainer(cfg)
-    except RunLockError as err:  # rank 0's verdict, raised on every rank
+    except (RunLockError, ConfigError) as err:  # rank 0's verdict, or every rank's own on the same config
         code = _fail(BAD_INPUT, err, shared=True)
     except (FlaKernelsUnavailableError, CheckpointError, DataError, OutputError) as err:  # machine, folders, data
         code = _fail(BAD_INPUT, err, shared=getattr(err, "every_rank", False))

@@ -29,7 +29,9 @@ from .checkpoint.lora_base import lora_record
 from .checkpoint.peft_adapter import adapter_folder, export_peft_adapter
 from .checkpoint.errors import CheckpointError, ExportRefused
 from .checkpoint.hf_weights import ExportUnit, check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
-from .config import JobConfig, to_toml, validate_parallelism
+from .config import ConfigError, JobConfig, to_toml, validate_parallelism
+from .config.run_requirements import model_args_of
+from .memory_check import device_memory_problem
 from .data.chat import chat_options
 from .data.loader import build_dataloader
 from .objective import Objective, routing_loads
@@ -68,6 +70,7 @@ class Trainer:
         self.dims: ParallelDims = self.layout.dims
 
         self.device = pick_device()
+        self._refuse_what_cannot_fit()  # before anything is allocated or written (harness/memory_check.py)
         set_seed(cfg.training.seed, cfg.training.deterministic, self.device)
         init_process_group(self.device, self.dims.world_size)
         self.meshes = self.dims.build_meshes(self.device.type)  # None: one process, no process group
@@ -133,7 +136,8 @@ class Trainer:
                 check_hf_export_folder(adapter_folder(self.export_folder))
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, self.run_id, enabled=self.rank == 0,
-                                     job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None)
+                                     job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None,
+                                     wandb_config=cfg.to_dict() if cfg.metrics.enable_wandb else None)
         self.clock = DeviceClock(self.device)
         tokens_per_step = t.local_batch_size * t.seq_len * self.layout.grad_accum_steps // self.dims.cp
         adapters = (active_adapter_params(self.model, self.model_args.num_experts_per_tok, self.train_mtp)
@@ -147,6 +151,13 @@ class Trainer:
         self.exporting = False  # whether the end-of-run export is being written (what_is_saved)
         if self.rank == 0:
             self._save_config()
+
+    def _refuse_what_cannot_fit(self) -> None:
+        args, problems = model_args_of(self.cfg)
+        problem = problems[0] if problems else device_memory_problem(self.cfg, args, self.dims.world_size,
+                                                                     self.dims.cp, self.device)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _claim_outputs(self, line: str | None, resumed: bool) -> str:
         """Rank 0 sets the dump folder's outputs up for this run's line (harness/run_outputs.py); every rank learns

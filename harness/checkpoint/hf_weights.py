@@ -231,7 +231,7 @@ class ExportUnit:
     """Export folders published together, both new or both as they were (a LoRA run's merged model and its PEFT
     adapter): each is written whole into its temporary folder (`write_export_folder(..., unit=this)`), then
     `publish` renames them all into place at once, with SIGINT and SIGTERM held off for those renames (a Ctrl-C
-    then lands just after them). A stop or failure before that: `discard` removes the temporary folders, and every
+    then lands just after them, as it was sent). A stop or failure before that: `discard` removes the temporary folders, and every
     earlier export stays as it was. Every rank calls `publish` and `discard` alike; rank 0 acts."""
 
     def __init__(self):
@@ -262,17 +262,22 @@ class ExportUnit:
 
 @contextmanager
 def _signals_held():
-    """SIGINT and SIGTERM blocked for the block (in the main thread: where Python runs its handlers); a signal sent
-    meanwhile is delivered when it ends."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread():
+    """SIGINT and SIGTERM held off for the block: received meanwhile, each is raised again, in order, once it ends.
+    (Their Python handlers are swapped, not the thread's signal mask: another thread of the process, a data loader's
+    or a collective's, would take a signal the main thread blocks, and Python would still run its handler at once.)"""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread runs signal handlers
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    pending: list[int] = []
+    previous = {signum: signal.signal(signum, lambda received, frame: pending.append(received))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in pending:
+            signal.raise_signal(signum)
 
 
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,

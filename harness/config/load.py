@@ -41,6 +41,7 @@ class ParsedConfig:
     problems: list[str] = field(default_factory=list)  # what could not be read or parsed
     rejected: set[str] = field(default_factory=set)  # keys whose given values were refused
     notices: list[str] = field(default_factory=list)  # old names read as their new ones
+    given: set[str] = field(default_factory=set)  # keys the file or the command line set (under any name)
 
 
 def with_default_config(argv: list[str]) -> list[str]:
@@ -91,7 +92,21 @@ def parse_config(argv: list[str]) -> ParsedConfig:
             parsed.rejected.add(key)
     if config_path is not None:
         _resolve_file_paths(parsed.cfg, config_path, file_paths)
+    _model_from_initial_checkpoint(parsed)
     return parsed
+
+
+def _model_from_initial_checkpoint(parsed: ParsedConfig) -> None:
+    """A run that starts from an HF folder (checkpoint.initial_load_hf) and names no model (neither model.flavor nor
+    model.hf_config set) trains the folder's own model: its config.json becomes model.hf_config, as a user starting
+    from a release expects (a named model is compared with the folder's instead: run_requirements.py)."""
+    cfg = parsed.cfg
+    folder = cfg.checkpoint.initial_load_hf
+    if folder and not parsed.given & {"model.flavor", "model.hf_config"} and \
+            os.path.isfile(os.path.join(folder, "config.json")):
+        cfg.model.hf_config = os.path.join(folder, "config.json")
+        parsed.notices.append(f"notice: the model is {cfg.model.hf_config}, the config of checkpoint.initial_load_hf "
+                              "(no model.flavor or model.hf_config given)")
 
 
 def _did_you_mean(name: str, candidates: list[str], form: str = "{}") -> str:
@@ -162,6 +177,7 @@ def _set(parsed: ParsedConfig, key: str, value: Any, from_cli: bool, source: str
         parsed.problems.append(f"{source}: {given_as} = {value!r} is not {_expected(hint)}")
         return False
     setattr(getattr(parsed.cfg, section), name, coerced)
+    parsed.given.add(key)
     return True
 
 

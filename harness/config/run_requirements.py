@@ -8,11 +8,12 @@ DeltaNet heads, an expert-parallel degree that divides the experts. Part of the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from models.qwen35_moe.args import Qwen35MoeArgs
-from models.qwen35_moe.flavors import qwen35_moe_flavors
+from models.qwen35_moe.flavors import get_flavor, qwen35_moe_flavors
 
 from ..data.chat import chat_template_problem
 from ..run_folders import folder_problems
@@ -36,13 +37,17 @@ def run_requirement_problems(cfg: JobConfig, rejected: frozenset[str] = frozense
         problems += _chat_problems(cfg)
     if reads("checkpoint.initial_load_hf"):
         problems += _checkpoint_problems(cfg)
+    if reads("metrics.enable_wandb"):
+        problems += _wandb_problems(cfg)
     if reads("job.dump_folder", "checkpoint.folder", "checkpoint.enable", "metrics.save_tb_folder",
              "training.dataset_cache_dir"):
         problems += folder_problems(cfg)
     if not reads("model.hf_config", "model.flavor"):
         return problems
-    args, model_problems = _model_args(cfg)
+    args, model_problems = model_args_of(cfg)
     problems += model_problems
+    if args is not None and reads("checkpoint.initial_load_hf", "model.mtp_num_hidden_layers"):
+        problems += _initial_model_problems(cfg, args)
     if reads("model.tokenizer_path"):
         problems += _tokenizer_problems(cfg, args)
     if reads("parallelism.context_parallel_degree", "training.seq_len"):
@@ -108,19 +113,58 @@ def _checkpoint_problems(cfg: JobConfig) -> list[str]:
         return [f"{key} {path!r} is not a folder; " + _TO_SET.format(key=key)]
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
         return [f"{key} {path!r} holds no model.safetensors or model.safetensors.index.json"]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [f"{key} {path!r} holds no config.json: a Hugging Face model folder has one (it says which model the "
+                "weights are of)"]
     return []
 
 
-def _model_args(cfg: JobConfig) -> tuple[Qwen35MoeArgs | None, list[str]]:
+# Fields of a model's config that do not change what it computes: token ids (the tokenizer's, written at export),
+# inference switches, the init's spread (the weights are loaded), and the interval layer_types spells out.
+_NOT_THE_FUNCTION = {"bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_router_logits",
+                     "initializer_range", "full_attention_interval"}
+
+
+def _initial_model_problems(cfg: JobConfig, args: Qwen35MoeArgs) -> list[str]:
+    """The run's model against the config.json of the folder it starts from (checkpoint.initial_load_hf): a field
+    that changes what the model computes and differs (top-k, rope_theta, rms_norm_eps, ...) would train another
+    model than the one loaded, and the export's config.json would describe neither."""
+    folder = cfg.checkpoint.initial_load_hf
+    if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
+        return []  # a missing folder or file: named by _checkpoint_problems
+    try:
+        theirs = Qwen35MoeArgs.from_hf_config(folder)
+    except (OSError, ValueError, TypeError) as e:
+        return [f"checkpoint.initial_load_hf {folder!r}: its config.json: {e}"]
+    skip = set(_NOT_THE_FUNCTION)
+    if cfg.model.mtp_num_hidden_layers >= 0:  # the run chose its MTP layers (0: leave the folder's out)
+        skip.add("mtp_num_hidden_layers")
+    differ = [f"{f.name} {getattr(theirs, f.name)!r} (the run: {getattr(args, f.name)!r})"
+              for f in dataclasses.fields(args) if f.name not in skip and getattr(theirs, f.name) != getattr(args, f.name)]
+    if not differ:
+        return []
+    model = f"model.hf_config {cfg.model.hf_config!r}" if cfg.model.hf_config else f"model.flavor {cfg.model.flavor!r}"
+    return [f"checkpoint.initial_load_hf {folder!r} holds another model than {model}: its config.json has "
+            f"{', '.join(differ)}; train the folder's model (leave model.flavor unset, or set model.hf_config to "
+            "the folder), or start from a folder of this model"]
+
+
+def model_args_of(cfg: JobConfig) -> tuple[Qwen35MoeArgs | None, list[str]]:
+    """The run's model: model.hf_config's or model.flavor's, with model.mtp_num_hidden_layers where it is set; or None
+    and why not."""
     if cfg.model.hf_config:
         try:
-            return Qwen35MoeArgs.from_hf_config(cfg.model.hf_config), []
+            args = Qwen35MoeArgs.from_hf_config(cfg.model.hf_config)
         except (OSError, ValueError, TypeError) as e:  # missing file, bad JSON, unknown fields
             return None, [f"model.hf_config {cfg.model.hf_config!r}: {e}"]
-    if cfg.model.flavor not in qwen35_moe_flavors:
+    elif cfg.model.flavor not in qwen35_moe_flavors:
         return None, [f"model.flavor {cfg.model.flavor!r} is not a known flavor; known: "
                       f"{', '.join(qwen35_moe_flavors)} (or set model.hf_config to a config.json)"]
-    return qwen35_moe_flavors[cfg.model.flavor], []
+    else:
+        args = get_flavor(cfg.model.flavor)
+    if cfg.model.mtp_num_hidden_layers >= 0:
+        args = dataclasses.replace(args, mtp_num_hidden_layers=cfg.model.mtp_num_hidden_layers)
+    return args, []
 
 
 def _tokenizer_problems(cfg: JobConfig, args: Qwen35MoeArgs | None) -> list[str]:
@@ -151,3 +195,15 @@ def _vocab_size(tokenizer_json: Path) -> int:
         return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # tokenizers raises its own exception type for unreadable files
         raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _wandb_problems(cfg: JobConfig) -> list[str]:
+    """metrics.enable_wandb needs the wandb package (an optional one): the run is refused now, not at its first log.
+    Imported only where the run asks for it (~0.5 s)."""
+    if not cfg.metrics.enable_wandb:
+        return []
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return ["metrics.enable_wandb is true but wandb is not installed: pip install wandb, or set it false"]
+    return []

@@ -21,12 +21,18 @@ from typing import Any, Callable
 from parallel.parallel_dims import ParallelDims
 
 from .errors import ConfigError
-from .run_requirements import run_requirement_problems
+from ..gpus import processes_per_node, visible_gpus
+from ..memory_check import launch_memory_problem
+from .run_requirements import model_args_of, run_requirement_problems
 from .schema import ALL_KEYS, LORA_TARGETS, JobConfig, get_value
 
 _DEGREE_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
                 "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree")
 _BATCH_KEYS = ("training.local_batch_size", "training.global_batch_size")
+# What the memory check reads (harness/memory_check.py)
+_MEMORY_KEYS = ("training.local_batch_size", "training.seq_len", "training.loss_chunk_tokens", "lora.enable",
+                "lora.rank", "lora.targets", "lora.mtp", "training.mtp_loss_coef", "model.flavor", "model.hf_config",
+                "model.mtp_num_hidden_layers")
 
 
 def _at_least(low):
@@ -88,11 +94,26 @@ def config_problems(cfg: JobConfig, world_size: int | None = None, rejected: fro
     (with `run_requirements`). Checks reading a key in `rejected` are skipped."""
     problems, unusable = _range_problems(cfg, ALL_KEYS, rejected)
     problems += _between_keys_problems(cfg, rejected | unusable)
+    layout = None
     if world_size is not None:
-        problems += _layout(cfg, world_size, rejected | unusable)[1]
+        layout, layout_problems = _layout(cfg, world_size, rejected | unusable)
+        problems += layout_problems
     if run_requirements:
         problems += run_requirement_problems(cfg, rejected)
+        if layout is not None and not (rejected | unusable) & set(_MEMORY_KEYS):
+            problems += _memory_problems(cfg, layout)
     return problems
+
+
+def _memory_problems(cfg: JobConfig, layout: RunLayout) -> list[str]:
+    """Whether the run can fit this host (a CPU run) or any GPU (harness/memory_check.py), judged where its model is
+    known."""
+    args, unknown = model_args_of(cfg)
+    if args is None:  # named by the run requirements
+        return []
+    gpu_run = visible_gpus() > 0
+    problem = launch_memory_problem(cfg, args, layout.dims.world_size, layout.dims.cp, gpu_run, processes_per_node())
+    return [problem] if problem else []
 
 
 def validate_parallelism(cfg: JobConfig, world_size: int) -> RunLayout:

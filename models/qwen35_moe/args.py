@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,7 @@ class Qwen35MoeArgs:
         problems = [f"{name} must be >= 1, got {getattr(self, name)}" for name in _SIZES if getattr(self, name) < 1]
         if self.layer_types is None:
             problems.append(f"full_attention_interval must be >= 1, got {self.full_attention_interval}")
+        problems += self._value_problems()
         if problems:  # before the checks below divide by them
             raise ValueError("invalid Qwen3.5-MoE args: " + "; ".join(problems))
         if len(self.layer_types) != self.num_hidden_layers:
@@ -113,6 +115,20 @@ class Qwen35MoeArgs:
             problems.append(f"rotary dim {self.rotary_dim} (head_dim * partial_rotary_factor) must be even and <= head_dim")
         if problems:
             raise ValueError("invalid Qwen3.5-MoE args: " + "; ".join(problems))
+
+    def _value_problems(self) -> list[str]:
+        """The non-size numbers outside what the model can use (nan and inf included: no comparison admits them),
+        each a line: a config.json's `rms_norm_eps: NaN` would otherwise train to a NaN loss blamed on the lr."""
+        ranges = {
+            "rms_norm_eps": (0 < self.rms_norm_eps < 1, "in (0, 1)"),
+            "rope_theta": (0 < self.rope_theta < math.inf, "positive and finite"),
+            "partial_rotary_factor": (0 < self.partial_rotary_factor <= 1, "in (0, 1]"),
+            "initializer_range": (0 <= self.initializer_range < math.inf, ">= 0 and finite"),
+            "router_aux_loss_coef": (0 <= self.router_aux_loss_coef < math.inf, ">= 0 and finite"),
+            "max_position_embeddings": (self.max_position_embeddings >= 1, ">= 1"),
+            "mrope_section": (all(v >= 0 for v in self.mrope_section), "non-negative"),
+        }
+        return [f"{name} must be {what}, got {getattr(self, name)}" for name, (ok, what) in ranges.items() if not ok]
 
     @property
     def rotary_dim(self) -> int:
