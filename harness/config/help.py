@@ -20,7 +20,7 @@ from .schema import SCHEMA, JobConfig
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
 
 Trains Qwen3.5-MoE as FILE describes (default: train_configs/debug_model.toml); any key below can be set in
-FILE or on the command line (--key VALUE or --key=VALUE; lists as 0.9,0.95; "none" for optional numbers).
+FILE or on the command line (--key VALUE or --key=VALUE; lists as 0.9,0.95 or q_proj,experts; "none" for optional numbers).
 Relative input paths in FILE are relative to FILE's folder; on the command line and for outputs, to the
 current directory. Exit codes: 0 done (or stopped by SIGTERM, saved), 2 bad input (one `error:` line),
 3 diverged (NaN / inf loss), 130 Ctrl-C, 143 SIGTERM before the first step. Environment: NGPU, NNODES, RDZV_ENDPOINT, RDZV_ID, LOG_RANK, PYTHON.
@@ -51,7 +51,7 @@ def _type_name(hint) -> str:
     if type(None) in get_args(hint):
         return "float or none"
     if get_origin(hint) is list:
-        return "list of floats"
+        return "list of names" if get_args(hint)[0] is str else "list of numbers"
     return hint.__name__
 
 
@@ -60,6 +60,8 @@ def _shown(default) -> str:
         return "true" if default else "false"
     if default is None:
         return "none"
+    if isinstance(default, list):  # as the command line takes it
+        return ",".join(map(str, default))
     return '""' if default == "" else str(default)
 
 

@@ -264,6 +264,7 @@ def _parse_argv(argv: list[str], parsed: ParsedConfig) -> tuple[str | None, list
     """(config path, [(section.key, raw value, the name it was given as)]) from `--k v` / `--k=v` pairs; what cannot
     be read goes to `parsed.problems` (a key given without a value to `parsed.rejected` too)."""
     config_path, overrides, i = None, [], 0
+    conflicted: set[str] = set()  # keys given under an old and a new name
     while i < len(argv):
         arg = argv[i]
         i += 1
@@ -283,7 +284,14 @@ def _parse_argv(argv: list[str], parsed: ParsedConfig) -> tuple[str | None, list
             hint = _did_you_mean(name, ALL_KEYS, "--{}")
             parsed.problems.append(f"command line: unknown option --{name}{hint}")
         elif (key := _current_name(name, COMMAND_LINE, parsed)) is not None:
-            overrides.append((key, value, name))
+            other = next((given for k, _, given in overrides if k == key and given != name), None)
+            if other is not None and key not in conflicted:  # an old name beside its new one: which is meant?
+                parsed.problems.append(f"command line: --{other} and --{name} are one key, {key}; keep --{key} alone")
+                conflicted.add(key)
+            if key not in conflicted:
+                overrides.append((key, value, name))
+    parsed.rejected.update(conflicted)
+    overrides = [o for o in overrides if o[0] not in conflicted]
     return config_path, overrides
 
 

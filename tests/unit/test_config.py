@@ -2,6 +2,7 @@ import pytest
 
 from harness.config import (ConfigError, JobConfig, exit_on_config_error, load_config, validate_parallelism,
                             with_default_config)
+from harness.config.help import config_help
 
 
 @pytest.fixture
@@ -468,3 +469,10 @@ def test_every_problem_of_the_optimizer_is_named_in_one_error():
 def test_a_toml_nan_is_refused_like_a_command_line_one(toml_file):
     with pytest.raises(ConfigError, match=r"optimizer\.lr must be a finite number, got nan"):
         load_config(["--config", toml_file("[optimizer]\nlr = nan\n")])
+
+
+def test_help_names_each_lists_items_and_shows_it_as_the_command_line_takes_it():
+    """`--lora.targets` holds names, `--optimizer.betas` numbers (before: both "list of floats")."""
+    text = config_help([])
+    assert "--lora.targets  (list of names, q_proj,k_proj,v_proj,o_proj," in text
+    assert "--optimizer.betas  (list of numbers, 0.9,0.95)" in text

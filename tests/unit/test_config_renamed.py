@@ -114,6 +114,19 @@ def test_an_old_name_beside_its_new_one_in_one_file_is_a_problem_naming_both(tmp
                                 f"training.dataset_source; keep training.dataset_source alone"]
 
 
+@pytest.mark.parametrize("old", OLD_KEYS)
+def test_an_old_name_beside_its_new_one_on_the_command_line_is_a_problem_naming_both(old):
+    """Before, the last one silently won (the same pair in a file was refused). The same key twice under one name
+    stays an override, the last one winning, as on any command line."""
+    new, value = OLD_KEYS[old]
+    flags = [f"--{new}", str(value).lower(), f"--{old}", str(value).lower(), f"--{new}", str(value).lower()]
+    with pytest.raises(ConfigError) as e:
+        load_config(flags)
+    assert e.value.problems == [f"command line: --{new} and --{old} are one key, {new}; keep --{new} alone"]
+    assert value_of(load_config([f"--{new}", "text" if "source" in new else str(value).lower(), f"--{new}",
+                                 str(value).lower()]), new) == value
+
+
 def test_a_bad_value_under_an_old_name_is_named_as_written_and_no_notice_is_printed(capsys):
     with pytest.raises(ConfigError) as e:
         load_config(["--training.dataset", "csv"])
