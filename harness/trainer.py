@@ -29,7 +29,7 @@ from .checkpoint.lora_base import lora_record
 from .checkpoint.peft_adapter import adapter_folder, export_peft_adapter
 from .checkpoint.errors import CheckpointError, ExportRefused
 from .checkpoint.hf_weights import ExportUnit, check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
-from .config import ConfigError, JobConfig, to_toml, validate_parallelism
+from .config import ConfigError, JobConfig, to_toml, validate_parallelism, with_absolute_paths
 from .config.run_requirements import model_args_of
 from .memory_check import device_memory_problem
 from .data.chat import chat_options
@@ -120,7 +120,7 @@ class Trainer:
                 keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
                 model_config=args_for_hf.to_hf_config(ckpt.export_dtype),
                 hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files),
-                run_config=cfg.to_dict(), lora=self._lora_record())
+                run_config=with_absolute_paths(cfg).to_dict(), lora=self._lora_record())
         if resume_step is not None:
             train_state = self.checkpointer.resume(resume_step, restore_data=not ckpt.restart_data)
             self.step, line = train_state["step"], train_state.get("run_id") or train_state.get("tb_run")
@@ -182,7 +182,7 @@ class Trainer:
         """This launch's optimizer settings on top of the loaded state (harness/config/resume.py); a line for each
         value the relaunch changed."""
         changes = apply_optimizer_settings(self.optimizer, self.lr_scheduler, self.cfg)
-        changes += other_changes(saved_config, self.cfg)
+        changes += other_changes(saved_config, self.cfg, self.step)
         if changes and self.rank == 0:
             logger.info("resumed with this launch's config; changed since the checkpoint:\n  %s", "\n  ".join(changes))
 

@@ -12,11 +12,12 @@ One module a job:
   renamed.py           old keys and values, still read with a notice; saved run configs read under today's names
   errors.py            ConfigError (every problem, numbered): one `error:` line, exit code 2
   help.py              `--help`
-  resume.py            what a relaunch on a checkpoint changes (imports torch's types only: not imported here)
+  resume.py            what a relaunch on a checkpoint changes (reads the LR schedule, which imports torch: not
+                       imported here)
 """
 
 from .errors import ConfigError, describe_problems, exit_on_config_error
-from .load import DEFAULT_CONFIG, check_launch, load_config, to_toml, with_default_config
+from .load import DEFAULT_CONFIG, check_launch, load_config, to_toml, with_absolute_paths, with_default_config
 from .schema import (ALL_KEYS, INPUT_PATH_KEYS, OUTPUT_PATH_KEYS, SCHEMA, ActivationCheckpoint, Checkpoint,
                      Compile, Debug, Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Profiling,
                      Training, Validation)
@@ -27,5 +28,5 @@ __all__ = [
     "Checkpoint", "Compile", "ConfigError", "Debug", "Job", "JobConfig", "LRScheduler", "Metrics", "Model",
     "Optimizer", "Parallelism", "Profiling", "RunLayout", "Training", "Validation", "check_launch",
     "check_run_requirements", "config_problems", "describe_problems", "exit_on_config_error", "load_config",
-    "to_toml", "validate_parallelism", "with_default_config",
+    "to_toml", "validate_parallelism", "with_absolute_paths", "with_default_config",
 ]

@@ -13,6 +13,7 @@ every path absolute, so `--config <dump_folder>/config.toml` repeats a run from 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
@@ -295,18 +296,25 @@ def _parse_argv(argv: list[str], parsed: ParsedConfig) -> tuple[str | None, list
     return config_path, overrides
 
 
+def with_absolute_paths(cfg: JobConfig) -> JobConfig:
+    """A copy of `cfg` with every path absolute against the current directory (a Hugging Face dataset name left as
+    it is): what a saved config.toml and a checkpoint's run config hold, so that they mean the same from any folder."""
+    cfg = copy.deepcopy(cfg)
+    for name in INPUT_PATH_KEYS + OUTPUT_PATH_KEYS:
+        value = get_value(cfg, name)
+        if value and not names_a_dataset(cfg, name):
+            section, key = name.split(".")
+            setattr(getattr(cfg, section), key, os.path.abspath(value))
+    return cfg
+
+
 def to_toml(cfg: JobConfig) -> str:
     """`cfg` as a TOML file that `load_config(["--config", file])` reads back to an equal config (paths made
     absolute against the current directory, so the file works from any folder)."""
-    lines = []
+    cfg, lines = with_absolute_paths(cfg), []
     for section, keys in SCHEMA.items():
         lines.append(f"[{section}]")
-        for key in keys:
-            name = f"{section}.{key}"
-            value = get_value(cfg, name)
-            if name in INPUT_PATH_KEYS + OUTPUT_PATH_KEYS and value and not names_a_dataset(cfg, name):
-                value = os.path.abspath(value)
-            lines.append(f"{key} = {_toml_value(value)}")
+        lines += [f"{key} = {_toml_value(get_value(cfg, f'{section}.{key}'))}" for key in keys]
         lines.append("")
     return "\n".join(lines)
 

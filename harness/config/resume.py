@@ -17,11 +17,13 @@ renamed compares like with like.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
+from ..optim.lr_schedule import lr_factor
 from .renamed import with_current_names
-from .schema import JobConfig
+from .schema import INPUT_PATH_KEYS, OUTPUT_PATH_KEYS, JobConfig
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +45,8 @@ def _flat(config: dict) -> dict:
 
 
 def _same(key: str, saved, now, source: str) -> bool:
-    if key.endswith("_path") and saved and now and not (key == "training.dataset_path" and source == "hf"):
+    is_path = key in INPUT_PATH_KEYS + OUTPUT_PATH_KEYS and not (key == "training.dataset_path" and source == "hf")
+    if is_path and saved and now:
         return os.path.realpath(saved) == os.path.realpath(now)  # the same file, named from another folder
     return saved == now
 
@@ -59,14 +62,37 @@ def data_changes(saved_config: dict | None, run_config: dict) -> list[str]:
             if key in saved and key in now and not _same(key, saved[key], now[key], source)]
 
 
-def other_changes(saved_config: dict | None, cfg: JobConfig) -> list[str]:
-    """`key saved -> now` for every other key the relaunch changed (the optimizer's are reported where applied)."""
+def other_changes(saved_config: dict | None, cfg: JobConfig, step: int = 0) -> list[str]:
+    """`key saved -> now` for every other key the relaunch changed (the optimizer's are reported where applied; a
+    path named otherwise but leading to the same place is no change), and, where the LR schedule changed, the lr
+    of the next step (`step` + 1) under the saved schedule and under this one."""
     if saved_config is None:
         return []
     saved, now = _flat(saved_config), _flat(cfg.to_dict())
     skip = set(DATA_KEYS) | set(_QUIET_KEYS) | {k for k in now if k.startswith("optimizer.")}
-    return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in now
-            if key in saved and key not in skip and saved[key] != now[key]]
+    source = now.get("training.dataset_source", "")
+    changes = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in now
+               if key in saved and key not in skip and not _same(key, saved[key], now[key], source)]
+    return changes + _schedule_change(saved, now, step)
+
+
+def _schedule_change(saved: dict, now: dict, step: int) -> list[str]:
+    """The lr the next step runs at under the saved schedule and under the relaunch's, where they differ: a longer
+    training.steps stretches a decay already under way (the lr rises back), which the key's line alone hides."""
+    keys = (*SCHEDULE_KEYS, "optimizer.lr")
+    if any(key not in saved for key in keys) or all(saved[key] == now[key] for key in keys):
+        return []
+
+    def lr(config: dict) -> float:
+        factor = lr_factor(step + 1, *(config[key] for key in SCHEDULE_KEYS))
+        return config["optimizer.lr"] * factor
+
+    before, after = lr(saved), lr(now)
+    if math.isclose(before, after, rel_tol=1e-9):
+        return []
+    way = "up" if after > before else "down"
+    return [f"the LR schedule is this launch's: step {step + 1} runs at lr {after:.3g}, {way} from {before:.3g} "
+            "under the checkpoint's"]
 
 
 def apply_optimizer_settings(optimizer: torch.optim.Optimizer, lr_scheduler, cfg: JobConfig) -> list[str]:

@@ -121,3 +121,27 @@ def test_a_changed_seq_len_or_dataset_stops_the_resume_naming_each_difference(fo
     finally:
         restarted.close()
         fresh.close()
+
+
+def test_a_longer_run_says_what_it_does_to_the_schedule(four_steps, tmp_path, caplog):
+    """training.steps 4 -> 8 stretches the cosine decay: step 5 runs at a higher lr than the saved schedule's step 5
+    (its floor: min_lr_factor), and the start says so with both figures."""
+    with caplog.at_level(logging.INFO, logger="harness"):
+        trainer = _relaunch(four_steps, tmp_path, "--training.steps", "8")
+    trainer.close()
+    before, after = 3e-3 * lr_factor(5, 4, 2, None, "cosine", 0.1), 3e-3 * lr_factor(5, 8, 2, None, "cosine", 0.1)
+    assert after > before
+    assert (f"the LR schedule is this launch's: step 5 runs at lr {after:.3g}, up from {before:.3g} under the "
+            "checkpoint's") in caplog.text
+
+
+def test_a_relaunch_from_its_own_config_toml_with_a_relative_dump_folder_lists_no_change(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """`--job.dump_folder outputs/ck2` (relative), then `--config outputs/ck2/config.toml` (every path absolute): the
+    same folder, so no `job.dump_folder 'outputs/ck2' -> '/abs/outputs/ck2'` line; nothing else changed either."""
+    monkeypatch.chdir(tmp_path)
+    assert main([*FAST, "--job.dump_folder", "outputs/ck2", "--training.steps", "4"]) == 0
+    capsys.readouterr()
+    assert main(["--config", "outputs/ck2/config.toml", "--training.steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed from checkpoint" in err and "changed since the checkpoint" not in err, err
