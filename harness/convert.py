@@ -196,7 +196,10 @@ def _check_base(step_dir: Path, saved: dict, source: str, seed: int | None, args
     if source and not Path(source).exists():
         raise ConvertError(f"{step_dir}'s adapters were trained on the base {source}, which is not there: pass --base "
                            "with that base's HF folder")
-    ours = base_digest(source, seed, args)  # a seed's base is drawn again here, on the CPU
+    try:
+        ours = base_digest(source, seed, args)  # a seed's base is drawn again here, on the CPU
+    except (OSError, ValueError) as e:  # a damaged or hostile safetensors file
+        raise ConvertError(f"the base {source}: {e}") from None
     if ours != saved["digest"]:
         raise ConvertError(f"{step_dir}'s adapters were trained on the base {saved['source'] or 'drawn from the seed'} "
                            f"(digest {saved['digest']}); the base {source or 'drawn from the seed'} has digest {ours}: "

@@ -18,13 +18,14 @@ import struct
 from pathlib import Path
 
 from models.qwen35_moe import Qwen35MoeArgs
+from models.qwen35_moe.hf_checkpoint import read_safetensors_header
 
 SAMPLE_BYTES = 4096
 
 
 def base_digest(source: str, seed: int, args: Qwen35MoeArgs, device: str = "cpu") -> str:
     """The digest of the base a LoRA run starts from: the HF folder `source`, or (source "") the seed's init drawn on
-    a `device` ("cpu", "cuda")."""
+    a `device` ("cpu", "cuda"). ValueError for a file that is not safetensors (read_safetensors_header)."""
     digest = hashlib.sha256()
     if not source:
         shape = dataclasses.asdict(dataclasses.replace(args, bos_token_id=None, eos_token_id=None, pad_token_id=None))
@@ -33,11 +34,10 @@ def base_digest(source: str, seed: int, args: Qwen35MoeArgs, device: str = "cpu"
     folder = Path(source)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
     for path in files:
+        tensors = read_safetensors_header(path)  # ValueError for a damaged or hostile one
         with open(path, "rb") as f:
             length = struct.unpack("<Q", f.read(8))[0]
-            header = f.read(length)
-            digest.update(path.name.encode() + header)
-            tensors = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+            digest.update(path.name.encode() + f.read(length))
             for name in sorted(tensors):
                 start, end = (8 + length + offset for offset in tensors[name]["data_offsets"])
                 for at in sorted({start, max(start, (start + end) // 2 - SAMPLE_BYTES // 2),

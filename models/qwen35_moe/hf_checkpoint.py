@@ -56,17 +56,9 @@ class HFCheckpointReader:
             path = folder / name
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is named in {INDEX_FILE} but does not exist")
-            with self._open(path) as f:
-                for key in f.keys():
-                    self._file_of[key] = path
-                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
-
-    @staticmethod
-    def _open(path: Path):
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
-            raise ValueError(f"cannot read {path}: {e}") from e
+            for key, entry in read_safetensors_header(path).items():
+                self._file_of[key] = path
+                self._shapes[key] = tuple(entry["shape"])
 
     def keys(self) -> list[str]:
         return list(self._file_of)
@@ -81,6 +73,56 @@ class HFCheckpointReader:
                 return f.get_tensor(key)
         except Exception as e:
             raise ValueError(f"cannot read {key} from {path}: {e}") from e
+
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header (its Rust reader refuses larger)
+_MAX_JSON_DEPTH = 8  # a header is an object of objects holding lists of numbers: depth 4 at most
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, dict]:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file, read from its header alone and
+    checked (ValueError naming the file otherwise): the length within the format's bound and the file, JSON no
+    deeper than a header is, every entry's shape and byte range whole and inside the file. The one reader of headers
+    here: a hostile one (a length of 1e13, JSON nested 10,000 deep) is an error line, never a MemoryError or a
+    RecursionError."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path} is not a safetensors file: {size} bytes, shorter than its header's length")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path} is not a safetensors file: its header says {length:,} bytes, more than "
+                             f"{'the file holds' if length > size - 8 else 'the format allows'}")
+        text = f.read(length)
+    depth, deepest = 0, 0
+    for byte in text:  # brackets inside strings count too: a bound, not a parse
+        depth += (byte in b"[{") - (byte in b"]}")
+        deepest = max(deepest, depth)
+    if deepest > _MAX_JSON_DEPTH:
+        raise ValueError(f"{path} is not a safetensors file: its header nests {deepest} levels deep")
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")
+    end = size - 8 - length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shape, (start, stop), dtype = entry["shape"], entry["data_offsets"], entry["dtype"]
+            ok = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in [*shape, start, stop])
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok or not start <= stop <= end:
+            raise ValueError(f"{path} is not a safetensors file: tensor {name!r} has no whole dtype, shape and byte "
+                             f"range inside the file")
+        tensors[name] = entry
+    return tensors
 
 
 def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:

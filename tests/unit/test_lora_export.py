@@ -237,3 +237,34 @@ def test_the_converter_refuses_a_base_that_is_not_the_one_trained_on(exported, t
     assert str(base) in error and "not there" in error and "--base" in error, error
     assert not out.exists() and not (tmp_path / "out-adapter").exists()
     assert convert_main([str(step), str(out), "--base", str(tmp_path / "moved")]) == 0
+
+
+def hostile_headers() -> dict[str, bytes]:
+    """safetensors files whose headers ask for what no reader should attempt: a length of 1e13, JSON nested 10,000
+    deep (within a valid length), a header that is a list, a tensor whose bytes lie beyond the file."""
+    deep = b"[" * 10_000 + b"]" * 10_000
+    beyond = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}).encode()
+    return {"huge": (10**13).to_bytes(8, "little") + b"{}", "deep": len(deep).to_bytes(8, "little") + deep,
+            "list": (2).to_bytes(8, "little") + b"[]", "beyond": len(beyond).to_bytes(8, "little") + beyond}
+
+
+@pytest.mark.parametrize("kind", ["huge", "deep", "list", "beyond"])
+def test_a_hostile_safetensors_header_is_one_error_line_for_the_converter_and_the_trainer(
+        exported, tmp_path, capsys, kind):
+    """The converter's --base and training's initial_load_hf read headers through one bounded reader: exit 2 naming
+    the file (before: MemoryError or RecursionError tracebacks in the converter's digest of the base)."""
+    from harness.train import main as train_main
+
+    base = tmp_path / "base"
+    export_hf(base_of(lora_model(seed=1, dtype=torch.float32)), ARGS, str(base), torch.bfloat16)
+    step = lora_step(tmp_path / "checkpoint" / "step-20", trained_on(base, FEW), base, FEW)
+    (base / "model.safetensors").write_bytes(hostile_headers()[kind])
+    capsys.readouterr()
+    assert convert_main([str(step), str(tmp_path / "out"), "--base", str(base)]) == 2
+    error = one_error(capsys, logged=True)
+    assert f"{base / 'model.safetensors'} is not a safetensors file" in error, error
+    assert train_main(["--training.steps", "1", "--training.seq_len", "64", "--model.flavor", "debugmodel_mtp",
+                       "--lora.enable", "true", "--checkpoint.initial_load_hf", str(base),
+                       "--job.dump_folder", str(tmp_path / "run")]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "is not a safetensors file" in error[0], error
