@@ -86,28 +86,32 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     here: a hostile one (a length of 1e13, JSON nested 10,000 deep) is an error line, never a MemoryError or a
     RecursionError."""
     path = Path(path)
+
+    def refused(why: str) -> ValueError:
+        return ValueError(f"cannot read {path}: it is not a safetensors file: {why}")
+
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise ValueError(f"{path} is not a safetensors file: {size} bytes, shorter than its header's length")
+            raise refused(f"{size} bytes, shorter than its header's length")
         (length,) = struct.unpack("<Q", raw)
         if length > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path} is not a safetensors file: its header says {length:,} bytes, more than "
-                             f"{'the file holds' if length > size - 8 else 'the format allows'}")
+            raise refused(f"its header says {length:,} bytes, more than "
+                          f"{'the file holds' if length > size - 8 else 'the format allows'}")
         text = f.read(length)
     depth, deepest = 0, 0
     for byte in text:  # brackets inside strings count too: a bound, not a parse
         depth += (byte in b"[{") - (byte in b"]}")
         deepest = max(deepest, depth)
     if deepest > _MAX_JSON_DEPTH:
-        raise ValueError(f"{path} is not a safetensors file: its header nests {deepest} levels deep")
+        raise refused(f"its header nests {deepest} levels deep")
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({e})") from None
+        raise refused(f"its header is not JSON ({e})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object")
+        raise refused("its header is not a JSON object")
     end = size - 8 - length
     tensors = {}
     for name, entry in header.items():
@@ -119,8 +123,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok or not start <= stop <= end:
-            raise ValueError(f"{path} is not a safetensors file: tensor {name!r} has no whole dtype, shape and byte "
-                             f"range inside the file")
+            raise refused(f"tensor {name!r} has no whole dtype, shape and byte range inside the file")
         tensors[name] = entry
     return tensors
 

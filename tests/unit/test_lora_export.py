@@ -262,9 +262,9 @@ def test_a_hostile_safetensors_header_is_one_error_line_for_the_converter_and_th
     capsys.readouterr()
     assert convert_main([str(step), str(tmp_path / "out"), "--base", str(base)]) == 2
     error = one_error(capsys, logged=True)
-    assert f"{base / 'model.safetensors'} is not a safetensors file" in error, error
+    assert f"cannot read {base / 'model.safetensors'}: it is not a safetensors file" in error, error
     assert train_main(["--training.steps", "1", "--training.seq_len", "64", "--model.flavor", "debugmodel_mtp",
                        "--lora.enable", "true", "--checkpoint.initial_load_hf", str(base),
                        "--job.dump_folder", str(tmp_path / "run")]) == 2
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "is not a safetensors file" in error[0], error
+    assert len(error) == 1 and "it is not a safetensors file" in error[0], error
