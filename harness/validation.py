@@ -17,6 +17,8 @@ drafts for is fine-tuned):
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,20 @@ from .data.errors import DataError
 from .data.cached import TokenCacheLoader
 from .data.loader import build_dataloader
 from .data.rows import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+
+def _another_source(cfg: JobConfig) -> str:
+    """A word where the validation set does not come from where the training data does (a config's own set kept
+    while training on another file: the held-out loss then measures the config's set, not the user's)."""
+    v, t = cfg.validation, cfg.training
+    if v.dataset_source == "hf" or t.dataset_source == "hf":
+        return ""
+    if os.path.dirname(os.path.abspath(v.dataset_path)) == os.path.dirname(os.path.abspath(t.dataset_path)):
+        return ""
+    return (f", not beside the training data ({t.dataset_path}): set validation.dataset_path to your own held-out "
+            "rows, or validation.enable false")
 
 
 class Validator:
@@ -49,6 +65,9 @@ class Validator:
                                        data_format=t.dataset_content, chat=chat_options(cfg))  # training's chat keys
         self.start = self.loader.state_dict()  # every validation rewinds to here: the same rows each time
         self.what = f"{v.dataset_path} (validation.steps = {v.steps})"
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            logger.info("validation: every %d steps on %s%s", v.freq, os.path.abspath(v.dataset_path)
+                        if v.dataset_source != "hf" else v.dataset_path, _another_source(cfg))
         rows_needed = dp_world_size * t.local_batch_size
         if isinstance(self.loader, TokenCacheLoader) and self.loader.num_rows < rows_needed:
             raise _on_every_rank(DataError(

@@ -172,7 +172,7 @@ class ChatCacheLoader(TokenCacheLoader):
     def _count_rows(self) -> int:
         self.layout = cache_layout(self.cache, self.seq_len + 1, self.overlong)
         if rank_and_world()[0] == 0:  # once per run, not once per rank
-            logger.info(f"data: chat rows of {self.cache.folder}: "
+            logger.info(f"data: chat rows of {token_cache.source_files(self.cache.meta['source'])}: "
                         + layout_summary(self.layout, self.cache, self.seq_len + 1, self.overlong))
         return self.layout.num_rows
 

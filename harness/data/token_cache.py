@@ -182,6 +182,14 @@ class TextEncoder:
 # Open or build
 
 
+def source_files(source: dict) -> str:
+    """The source files a cache was made from, for a log line: the first and how many more."""
+    files = [f["path"] for f in source.get("files", [])]
+    if not files:
+        return "the dataset"
+    return files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more file{'s' if len(files) > 2 else ''}"
+
+
 def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_unit: Callable[[object], Iterable],
                   tokenizer, verify: Verify = "quick", encoder=None) -> TokenCache:
     """The cache of `source` (a JSON-able dataset identity) under `tokenizer`, built first if absent, then checked
@@ -209,8 +217,8 @@ def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_uni
     mode = "full" if rank == 0 and (built or verify == "full") else "quick"  # one rank reads every byte
     started = time.perf_counter()
     cache = on_every_rank(lambda: open_cache(folder, tokenizer.vocab_size, mode), f"opening dataset cache {folder}")
-    logger.info(f"data: dataset cache {folder}: {len(cache.tokens)} tokens, {len(cache.doc_starts)} documents "
-                f"({mode} check {time.perf_counter() - started:.2f}s)")
+    logger.info(f"data: {source_files(source)}: {len(cache.tokens)} tokens, {len(cache.doc_starts)} documents, "
+                f"cached in {folder} ({mode} check {time.perf_counter() - started:.2f}s)")
     skipped = cache.meta["skipped_rows"]
     if skipped["count"] and rank == 0:
         what = ("are conversations that cannot be trained on" if cache.targets is not None

@@ -447,3 +447,23 @@ def test_tool_call_arguments_given_as_a_json_string_render_as_the_object(qwen35_
 def test_tool_call_arguments_that_are_not_a_json_object_are_left_out(arguments, reason):
     skipped = ChatEncoder(debug_template_tokenizer(), ChatOptions())(row_of(tool_call_row(arguments)))
     assert isinstance(skipped, Skipped) and skipped.reason.startswith(reason), skipped
+
+
+def test_training_on_your_own_chat_file_names_it_and_the_validation_set_that_is_not_beside_it(tmp_path, capsys):
+    """debug_sft.toml with --training.dataset_path of one's own: the data lines name that file (not a cache hash
+    alone), and the start says that validation still reads the config's set, elsewhere, and how to change it."""
+    from harness.train import main
+
+    mine = tmp_path / "mine" / "chat.jsonl"
+    mine.parent.mkdir()
+    shutil.copy(REPO / "data" / "debug_chat" / "train.jsonl", mine)
+    assert main(["--config", str(REPO / "train_configs" / "debug_sft.toml"), "--training.steps", "1",
+                 "--training.dataset_path", str(mine), "--training.local_batch_size", "2",
+                 "--metrics.enable_tensorboard", "false", "--checkpoint.export_hf_at_end", "false",
+                 "--job.dump_folder", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert f"data: {mine}: " in err and f"data: chat rows of {mine}: " in err
+    val = REPO / "data" / "debug_chat" / "val.jsonl"
+    said = [line for line in err.splitlines() if "validation: every 100 steps on" in line]
+    assert len(said) == 1 and str(val) in said[0] and f"not beside the training data ({mine})" in said[0]
+    assert "set validation.dataset_path to your own held-out rows, or validation.enable false" in said[0]
