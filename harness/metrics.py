@@ -183,11 +183,13 @@ class MetricsLogger:
     reopens it and drops its events after step k (those of the steps after the checkpoint, which the resumed run
     computes again). Each line is written through to the file as it is logged, so a kill loses no logged step; the
     run lock (harness/run_lock.py) makes this run the file's only writer. A write the file system refuses is an
-    OutputError (exit 2, one line).
+    OutputError (exit 2, one line). With `wandb_config` (the run's resolved config, where metrics.enable_wandb is on)
+    the same values also go to a Weights & Biases run (harness/wandb_logger.py).
     """
 
     def __init__(self, dump_folder: str | Path, total_steps: int, enable_tensorboard: bool, tb_folder: str,
-                 run_id: str, enabled: bool = True, job_name: str = "", resume_step: int | None = None):
+                 run_id: str, enabled: bool = True, job_name: str = "", resume_step: int | None = None,
+                 wandb_config: dict | None = None):
         self.enabled = enabled
         self.prefix = f"[{job_name}] " if job_name else ""
         self.total_steps = total_steps
@@ -196,6 +198,7 @@ class MetricsLogger:
         self.writer = None
         self.jsonl = None
         self.tb_dir: Path | None = None
+        self.wandb = None
         if not enabled:
             return
         folder = Path(dump_folder)
@@ -214,6 +217,10 @@ class MetricsLogger:
             self.tb_dir = folder / tb_folder / run_id
             purge = resume_step + 1 if resume_step is not None else None
             self.writer = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
+        if wandb_config is not None:  # wandb is imported there, only for a run that asks for it
+            from .wandb_logger import WandbLogger
+
+            self.wandb = WandbLogger(job_name, run_id, folder, wandb_config)
 
     def _refused(self, e: OSError) -> OutputError:
         return OutputError(f"cannot write {self.path}: {e.strerror or e}; free space (or fix the file system), then "
@@ -236,6 +243,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if value is not None:
                     self.writer.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         done = step - self.first_step
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total_steps - step) if done else float("nan")
@@ -260,6 +269,8 @@ class MetricsLogger:
             for key in ("val_loss", "val_mtp_loss", "val_mtp_accept"):
                 if key in metrics:
                     self.writer.add_scalar(key, metrics[key], step)
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         mtp = (f", MTP loss {metrics['val_mtp_loss']:.4f}, first draft accepted {metrics['val_mtp_accept']:.1%}"
                if "val_mtp_loss" in metrics else "")
         print(f"{self.prefix}validation at step {step}: loss {metrics['val_loss']:.4f}{mtp} over "
@@ -273,3 +284,5 @@ class MetricsLogger:
                 pass
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()

@@ -129,6 +129,10 @@ class Metrics:
     log_freq: int = 1  # log every N steps
     enable_tensorboard: bool = True  # events under <dump_folder>/<save_tb_folder>/<run start time>
     save_tb_folder: str = "tb"  # under dump_folder
+    # Also log to Weights & Biases (rank 0; needs `pip install wandb`): project job.name, run id the run's id, so a
+    # resumed run continues its W&B run; the resolved config as the run's config; its files under
+    # <dump_folder>/wandb. Where it goes is wandb's own settings (`wandb login`, WANDB_MODE=offline, ...).
+    enable_wandb: bool = False
 
 
 @dataclass
