@@ -30,9 +30,12 @@ def bench_args(layers: int, experts: int, flavor: str = "35B-A3B", mtp_layers: i
 
 def trainer_argv(hf_config: Path, dump_folder: Path, steps: int) -> list[str]:
     """Trainer flags for the model in `hf_config` (a config.json of bench_args) on the debug corpus; a benchmark
-    adds its checkpoint, export and parallelism flags."""
+    adds its checkpoint, export and parallelism flags. The run's log lines are named after the model it trains
+    (bench_<layers>L_<experts>E_h<hidden>), not after qwen35_moe.toml's 35B-A3B job."""
+    config = json.loads(Path(hf_config).read_text())
+    name = f"bench_{config['num_hidden_layers']}L_{config['num_experts']}E_h{config['hidden_size']}"
     return [
-        "--config", str(REPO / "train_configs" / "qwen35_moe.toml"),
+        "--config", str(REPO / "train_configs" / "qwen35_moe.toml"), "--job.name", name,
         "--model.hf_config", str(hf_config), "--model.tokenizer_path", "",
         "--training.dataset_source", "jsonl",
         "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl"),

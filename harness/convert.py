@@ -131,7 +131,7 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
         raise
     for note in notes:
         print(note)
-    return [folder for _, folder in unit.written]
+    return [folder.resolve() for _, folder in unit.written]
 
 
 def _load(step_dir: Path, wanted: dict, what: str) -> dict:

@@ -120,6 +120,9 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
-    logger.info("model %s: %.2fM parameters (%s on %s)", shape, sum(p.numel() for p in model.parameters()) / 1e6,
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    share = "" if trained == total else f", {trained / 1e6:.2f}M of them trained ({trained / total:.2%})"
+    logger.info("model %s: %.2fM parameters%s; %s on %s", shape, total / 1e6, share,
                 "FSDP" if isinstance(model, FSDPModule) else "one process, no FSDP", device)
     return model

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -58,11 +59,12 @@ def set_aside_name(name: str, run_id: str) -> str:
 
 
 def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: str,
-                  keep_others: bool = True) -> tuple[str, str | None]:
+                  keep_others: bool = True, keep_newest: int = 0) -> tuple[str, str | None]:
     """Make the dump folder's outputs those of line `line` (the resumed checkpoint's; None: a fresh start, or a
     checkpoint saved before lines were named). Returns the line's id (new for a fresh start) and the log line saying
     what was set aside, deleted (`keep_others` False: job.other_run_outputs = "delete") or brought back (None when
-    nothing moved). `model` describes the run, for the next launch's line.
+    nothing moved). `model` describes the run, for the next launch's line. `keep_newest` (job.other_run_outputs_keep;
+    0: all): how many earlier lines' set-aside outputs stay, the newest; the older ones are deleted.
 
     All or nothing: the renames, then run.json naming the line; a failure anywhere (a full disk refusing run.json)
     renames back what had moved, so the folder is as the launch found it, and raises OutputError. Another line's
@@ -98,9 +100,35 @@ def claim_outputs(folder: str | Path, line: str | None, resumed: bool, model: st
         except OSError as e:
             raise OutputError(f"cannot delete another run's outputs in dump folder {folder} (job.other_run_outputs = "
                               f"'delete'): {e}; what was not deleted is kept aside under its run's id") from None
-    if not moved and not restored:
+    pruned = _prune_set_aside(folder, keep_newest, line) if keep_others and keep_newest else []
+    if not moved and not restored and not pruned:
         return line, None
-    return line, _describe(folder, current, moved, restored, model, keep_others)
+    return line, _describe(folder, current, moved, restored, model, keep_others, pruned, keep_newest)
+
+
+# An output set aside under its line's id (set_aside_name; a suffix where the name was taken): its line's id
+_SET_ASIDE = re.compile(r"(?:metrics|config|hf|hf-adapter)-(\d{8}-\d{6}-[0-9a-f]{4}|earlier-\d{8}-\d{6})"
+                        r"(?:\.\d+)?(?:\.jsonl|\.toml)?", re.ASCII)
+
+
+def _prune_set_aside(folder: Path, keep: int, line: str) -> list[str]:
+    """Delete the set-aside outputs of all but the `keep` newest earlier lines (by when their files were last
+    written), never those of `line`, this run's; returns the names deleted. A failure is an OutputError: what was not
+    deleted stays aside."""
+    lines: dict[str, list[str]] = {}
+    for entry in folder.iterdir():
+        if (match := _SET_ASIDE.fullmatch(entry.name)) is not None and match.group(1) != line:
+            lines.setdefault(match.group(1), []).append(entry.name)
+    def last_written(run_id: str) -> float:
+        return max(os.lstat(folder / name).st_mtime_ns for name in lines[run_id])
+
+    oldest_first = sorted(lines, key=last_written)
+    try:
+        return [_delete(folder, name) for run_id in oldest_first[:max(0, len(lines) - keep)]
+                for name in sorted(lines[run_id])]
+    except OSError as e:
+        raise OutputError(f"cannot delete earlier runs' outputs in dump folder {folder} (job.other_run_outputs_keep "
+                          f"= {keep}): {e}; what was not deleted stays aside") from None
 
 
 def _undo(folder: Path, done: list[tuple[str, str]]) -> str:
@@ -117,7 +145,7 @@ def _undo(folder: Path, done: list[tuple[str, str]]) -> str:
 
 
 def _describe(folder: Path, current: dict | None, moved: list[str], restored: list[str], model: str,
-              kept: bool) -> str:
+              kept: bool, pruned: list[str], keep_newest: int) -> str:
     held = f"the run {current['run']} ({current.get('model', '?')})" if current is not None else "an earlier run"
     parts = []
     if moved:
@@ -125,7 +153,14 @@ def _describe(folder: Path, current: dict | None, moved: list[str], restored: li
         parts.append(f"{folder} held the outputs of {held}: {done} {', '.join(moved)}")
     if restored:
         parts.append(f"this run's own, set aside by an earlier launch, are back: {', '.join(restored)}")
-    return "; ".join(parts) + f" (this run: {model})"
+    if pruned:
+        parts.append(f"older runs' outputs beyond the newest {keep_newest} deleted (job.other_run_outputs_keep): "
+                     f"{', '.join(pruned)}")
+    text = "; ".join(parts) + f" (this run: {model})"
+    if moved and kept and not keep_newest:
+        text += (". Outputs set aside are kept until deleted: delete them by hand, or set "
+                 "job.other_run_outputs_keep = N to keep the newest N runs' (job.other_run_outputs = 'delete': none)")
+    return text
 
 
 def _read_run_file(folder: Path) -> dict | None:

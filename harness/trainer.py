@@ -167,7 +167,8 @@ class Trainer:
             model = self.cfg.model.hf_config or f"model.flavor {self.cfg.model.flavor}"
             try:
                 found = list(claim_outputs(self.cfg.job.dump_folder, line, resumed, model,
-                                           keep_others=self.cfg.job.other_run_outputs == "keep"))
+                                           keep_others=self.cfg.job.other_run_outputs == "keep",
+                                           keep_newest=self.cfg.job.other_run_outputs_keep))
             except OutputError as e:
                 found = [None, str(e)]
         if torch.distributed.is_initialized():
@@ -187,7 +188,8 @@ class Trainer:
             logger.info("resumed with this launch's config; changed since the checkpoint:\n  %s", "\n  ".join(changes))
 
     def _save_config(self) -> None:
-        """The resolved config, printed and saved as <dump_folder>/config.toml (`--config` on it continues the run).
+        """The resolved config, saved as <dump_folder>/config.toml (`--config` on it continues the run), and one line
+        saying where (the ~100 lines of it are in the file, not on every launch's console).
 
         Without this launch's one-off resume choices: a relaunch from the file continues the run's line rather
         than rolling back to `checkpoint.load_step` again or restarting the data (`checkpoint.restart_data`)."""
@@ -199,7 +201,8 @@ class Trainer:
         except OSError as e:
             raise OutputError(f"cannot write {path}: {e.strerror or e}; free space (or fix the file system) "
                               "first") from None
-        logger.info("resolved config (saved to %s):\n%s", os.path.abspath(path), text.rstrip())
+        logger.info("resolved config saved to %s (every value; `--help` with the same flags shows each with its "
+                    "comment)", os.path.abspath(path))
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepValues:
         """One optimizer step over the global batch (this data-parallel rank's micro-batches of host rows). Returns its
@@ -368,7 +371,7 @@ class Trainer:
         except BaseException:
             unit.discard()
             raise
-        return " and ".join(str(written) for _, written in unit.written)
+        return " and ".join(os.path.abspath(written) for _, written in unit.written)
 
     def _free_export_folder(self) -> str:
         """A new name beside the export folder for this step's export (and its adapter's): <hf>-step-N[.k]."""

@@ -18,6 +18,9 @@ class Job:
     # run (harness/run_outputs.py): "keep" renames them <name>-<its run id> (one log line; a resume of that run brings
     # them back), "delete" deletes them (one log line).
     other_run_outputs: Literal["keep", "delete"] = "keep"
+    # With "keep": the outputs of how many earlier runs to keep set aside, the newest ones (the older ones' are
+    # deleted, one log line); 0 = all of them.
+    other_run_outputs_keep: int = 0
 
 
 @dataclass

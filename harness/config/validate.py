@@ -48,6 +48,7 @@ def _positive(v) -> bool:
 # degrees and training.global_batch_size are checked against the world size (the layout);
 # profiling.profile_freq only where profiling is on (_value_problems).
 _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "job.other_run_outputs_keep": (_at_least(0), ">= 0 (0 keeps all)"),
     "model.mtp_num_hidden_layers": (_at_least(-1), "-1 (the model's own) or >= 0"),
     "training.steps": (_positive, "positive"),
     "training.seq_len": (_positive, "positive"),

@@ -124,3 +124,20 @@ def test_a_resume_brings_back_its_own_outputs_that_a_killed_launch_left_aside(tm
     assert run(tmp_path, *saved, "--training.steps", "3") == 0
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert not list(tmp_path.glob(f"*-{line}*"))
+
+
+def test_relaunches_keep_the_newest_earlier_runs_outputs_up_to_the_limit_and_say_how_to_clean_up(tmp_path, capsys):
+    """Every fresh relaunch sets the previous run's outputs aside, and says that they stay until deleted and how;
+    with job.other_run_outputs_keep 2, only the two newest earlier runs' are kept (one line naming what went)."""
+    ids = []
+    for _ in range(3):
+        assert run(tmp_path, "--training.steps", "1") == 0
+        ids.append(run_id(tmp_path))
+    err = capsys.readouterr().err
+    assert "delete them by hand, or set job.other_run_outputs_keep = N" in err
+    assert sorted(p.name for p in tmp_path.glob("metrics-*.jsonl")) == [f"metrics-{i}.jsonl" for i in ids[:2]]
+    assert run(tmp_path, "--training.steps", "1", "--job.other_run_outputs_keep", "2") == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "beyond the newest 2 deleted" in line]
+    assert len(said) == 1 and f"metrics-{ids[0]}.jsonl" in said[0] and f"config-{ids[0]}.toml" in said[0]
+    assert sorted(p.name for p in tmp_path.glob("metrics-*.jsonl")) == [f"metrics-{i}.jsonl" for i in ids[1:]]
+    assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1]
