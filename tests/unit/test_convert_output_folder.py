@@ -165,3 +165,9 @@ def test_a_run_whose_export_would_delete_a_folder_of_the_users_exits_2_with_one_
     error = one_error(capsys, logged=True)
     assert str(tmp_path / "hf.tmp") in error and "move it away" in error, error
     assert files_under(tmp_path / "hf.tmp") == {"keep.txt": b"mine"} and not (tmp_path / "hf").exists()
+
+
+def test_a_missing_step_folder_is_named_as_missing(tmp_path, capsys):
+    """Before: "has no .metadata", as if the folder were there."""
+    assert convert_main([str(tmp_path / "checkpoint" / "step-300"), str(tmp_path / "out")]) == 2
+    assert one_error(capsys) == f"error: {tmp_path / 'checkpoint' / 'step-300'}: no such folder"

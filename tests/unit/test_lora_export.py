@@ -201,7 +201,7 @@ def trained_on(base: Path | None, lora: LoraArgs) -> Qwen35MoeModel:
 
 
 @pytest.mark.parametrize("drawn", ["from an HF folder", "from the seed"])
-def test_the_converter_writes_the_end_of_run_exports_of_a_lora_step(exported, tmp_path, drawn):
+def test_the_converter_writes_the_end_of_run_exports_of_a_lora_step(exported, tmp_path, drawn, capsys):
     """From the adapters and the base (read from its folder, or drawn again from the seed): the merged folder (bf16,
     several shards) and the adapter folder, the bytes the end of the run writes."""
     base, lora = None, FEW
@@ -213,7 +213,10 @@ def test_the_converter_writes_the_end_of_run_exports_of_a_lora_step(exported, tm
     export_peft_adapter(model, ARGS, lora, tmp_path / "run" / "hf-adapter", base=None if base is None else str(base))
     step = lora_step(tmp_path / "run" / "checkpoint" / "step-20", model, base, lora)
     out = tmp_path / "converted"
+    capsys.readouterr()
     assert convert_main([str(step), str(out), "--max-shard-gib", str(SMALL_SHARDS / 1024**3)]) == 0
+    assert (f"wrote {out} (the merged model) and {tmp_path / 'converted-adapter'} (the PEFT adapter)"
+            in capsys.readouterr().out)
     assert len(list(out.glob("*.safetensors"))) > 1
     assert files_under(out) == files_under(tmp_path / "run" / "hf")
     assert files_under(tmp_path / "converted-adapter") == files_under(tmp_path / "run" / "hf-adapter")

@@ -64,7 +64,10 @@ def test_the_mtp_example_after_the_quick_start_keeps_the_quick_starts_export(tmp
     exported = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
     capsys.readouterr()
     assert run(tmp_path, *export, "--model.flavor", "debugmodel_mtp") == 0
-    said = [line for line in capsys.readouterr().err.splitlines() if "held the outputs of the run" in line]
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()  # the export's line, then the done line naming hf/: one stream, in order
+    assert f"] exported {tmp_path / 'hf'} in " in out[-2] and "] done: " in out[-1]
+    said = [line for line in captured.err.splitlines() if "held the outputs of the run" in line]
     assert len(said) == 1 and "model.flavor debugmodel)" in said[0] and "this run: model.flavor debugmodel_mtp" in said[0]
     assert {p.name: p.read_bytes() for p in (tmp_path / f"hf-{first_id}").iterdir()} == exported
     assert "mtp" in (tmp_path / "hf" / "config.json").read_text()  # the new run's export where it belongs
