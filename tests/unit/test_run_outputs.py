@@ -138,9 +138,9 @@ def test_relaunches_keep_the_newest_earlier_runs_outputs_up_to_the_limit_and_say
         ids.append(run_id(tmp_path))
     err = capsys.readouterr().err
     assert "delete them by hand, or set job.other_run_outputs_keep = N" in err
-    assert sorted(p.name for p in tmp_path.glob("metrics-*.jsonl")) == [f"metrics-{i}.jsonl" for i in ids[:2]]
+    assert {p.name for p in tmp_path.glob("metrics-*.jsonl")} == {f"metrics-{i}.jsonl" for i in ids[:2]}
     assert run(tmp_path, "--training.steps", "1", "--job.other_run_outputs_keep", "2") == 0
     said = [line for line in capsys.readouterr().err.splitlines() if "beyond the newest 2 deleted" in line]
     assert len(said) == 1 and f"metrics-{ids[0]}.jsonl" in said[0] and f"config-{ids[0]}.toml" in said[0]
-    assert sorted(p.name for p in tmp_path.glob("metrics-*.jsonl")) == [f"metrics-{i}.jsonl" for i in ids[1:]]
+    assert {p.name for p in tmp_path.glob("metrics-*.jsonl")} == {f"metrics-{i}.jsonl" for i in ids[1:]}
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1]
