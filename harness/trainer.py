@@ -149,10 +149,13 @@ class Trainer:
                          *(("ep_rank_load",) if self.dims.ep > 1 else ()))
         self.started = time.perf_counter()
         self.exporting = False  # whether the end-of-run export is being written (what_is_saved)
+        self.export_unit: ExportUnit | None = None  # the export's folders being written, then published
         if self.rank == 0:
             self._save_config()
 
     def _refuse_what_cannot_fit(self) -> None:
+        """ConfigError (exit 2, every rank alike) if the run cannot fit this process's device (its GPU's memory, or
+        the host's), judged from the config before the model is built."""
         args, problems = model_args_of(self.cfg)
         problem = problems[0] if problems else device_memory_problem(self.cfg, args, self.dims.world_size,
                                                                      self.dims.cp, self.device)
@@ -386,8 +389,7 @@ class Trainer:
         """What of this run is on disk, in a few words, for the line of a run stopped before its end (Ctrl-C twice)
         or whose export failed."""
         names, pair = self._export_names(self.export_folder), self.cfg.lora.enable
-        unit = getattr(self, "export_unit", None)
-        if unit is not None and unit.published:
+        if self.export_unit is not None and self.export_unit.published:
             export = f"the export is written, {names}, {'both ' if pair else ''}of step {self.step}; "
         elif self.exporting:
             export = (f"the Hugging Face export to {names} {'were' if pair else 'was'} not written (the earlier "

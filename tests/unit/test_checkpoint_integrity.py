@@ -259,6 +259,9 @@ def test_a_full_disk_during_the_hf_export_stops_with_one_line_and_leaves_the_ear
     assert len(errors(err)) == 1 and "Traceback" not in err
     assert errors(err)[0].startswith(f"error: cannot write the Hugging Face folder {tmp_path / 'hf'}: ")
     assert "No space left on device" in errors(err)[0] and "nothing was replaced" in errors(err)[0]
+    step_2 = tmp_path / "checkpoint" / "step-2"  # what is on disk, and how to export it once there is space
+    assert errors(err)[0].endswith(f"the last complete checkpoint is step-2 ({step_2}), which a relaunch resumes; "
+                                   f"python -m harness.convert {step_2} <folder> exports it")
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
     assert not (tmp_path / "hf.tmp").exists()
 

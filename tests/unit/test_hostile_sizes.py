@@ -13,18 +13,12 @@ import pytest
 from harness.config import DEFAULT_CONFIG, load_config
 from harness.memory_check import GIB, memory_floor
 from harness.train import BAD_INPUT, main
+from tests.unit.test_convert_output_folder import one_error
 from models.qwen35_moe import get_flavor
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
         "--training.steps", "1"]
-
-
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def config_with(tmp_path: Path, **fields) -> str:
@@ -44,7 +38,7 @@ def test_a_model_config_of_hostile_sizes_is_refused_before_anything_is_built(tmp
     dump = tmp_path / "run"
     assert main([*FAST, "--model.hf_config", config_with(tmp_path, **fields),
                  "--job.dump_folder", str(dump)]) == BAD_INPUT
-    line = one_error(capsys)
+    line = one_error(capsys, logged=True)
     assert "the run cannot fit: each process needs at least" in line and "GiB of memory per process" in line, line
     assert not dump.exists()
 
@@ -54,7 +48,7 @@ def test_a_model_config_of_hostile_sizes_is_refused_before_anything_is_built(tmp
 def test_hostile_run_sizes_are_refused_before_anything_is_built(tmp_path, capsys, flags):
     dump = tmp_path / "run"
     assert main([*FAST, *flags, "--job.dump_folder", str(dump)]) == BAD_INPUT
-    assert "the run cannot fit" in one_error(capsys)
+    assert "the run cannot fit" in one_error(capsys, logged=True)
     assert not dump.exists()
 
 
@@ -84,7 +78,7 @@ def test_non_finite_or_out_of_range_model_values_are_refused_naming_the_field(tm
     """Before, `rms_norm_eps: NaN` trained and exited 3 at the first step, blaming the learning rate."""
     assert main([*FAST, "--model.hf_config", config_with(tmp_path, **fields),
                  "--job.dump_folder", str(tmp_path / "run")]) == BAD_INPUT
-    assert named in one_error(capsys)
+    assert named in one_error(capsys, logged=True)
 
 
 def test_no_peak_measured_on_a_gpu_lies_under_the_floor():

@@ -11,16 +11,10 @@ import pytest
 
 from harness.run_lock import acquire_run_lock
 from harness.train import BAD_INPUT, main
+from tests.unit.test_convert_output_folder import one_error
 
 FAST = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
         "--training.steps", "1"]
-
-
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def tree(path: Path) -> list[str]:
@@ -36,7 +30,7 @@ def test_a_checkpoint_folder_among_the_runs_own_outputs_is_refused_before_anythi
     dump = tmp_path / "run"
     assert main([*FAST, "--job.dump_folder", str(dump), "--metrics.enable_tensorboard", "true",
                  "--checkpoint.enable", "true", "--checkpoint.folder", folder]) == BAD_INPUT
-    line = one_error(capsys)
+    line = one_error(capsys, logged=True)
     assert f"checkpoint.folder {folder!r}" in line and "name a folder of its own" in line, line
     assert not dump.exists()
 
@@ -50,7 +44,7 @@ def test_a_checkpoint_folder_in_holding_or_being_another_runs_dump_folder_is_ref
         capsys.readouterr()
         assert main([*FAST, "--job.dump_folder", str(tmp_path / "mine"), "--checkpoint.enable", "true",
                      "--checkpoint.folder", str(checkpoint)]) == BAD_INPUT
-        line = one_error(capsys)
+        line = one_error(capsys, logged=True)
         assert f"{what} {other}, another run's dump folder" in line or f"{what} {other}," in line, line
     assert tree(tmp_path / "runs") == before and not (tmp_path / "mine").exists()
 
@@ -62,7 +56,7 @@ def test_a_dump_folder_inside_another_runs_export_is_refused(tmp_path, capsys):
     export = {p.name: p.read_bytes() for p in (run / "hf").iterdir()}
     capsys.readouterr()
     assert main([*FAST, "--job.dump_folder", str(run / "hf" / "sub")]) == BAD_INPUT
-    assert f"lies inside {run / 'hf'}, an output of the run whose dump folder is {run}" in one_error(capsys)
+    assert f"lies inside {run / 'hf'}, an output of the run whose dump folder is {run}" in one_error(capsys, logged=True)
     assert {p.name: p.read_bytes() for p in (run / "hf").iterdir()} == export
 
 
@@ -76,15 +70,15 @@ def test_a_folder_inside_or_holding_a_running_runs_folder_is_refused_naming_it(t
         holder = json.loads((run / ".lock").read_text())
         capsys.readouterr()
         assert main([*FAST, "--job.dump_folder", str(run / "sub")]) == BAD_INPUT
-        line = one_error(capsys)
+        line = one_error(capsys, logged=True)
         assert f"lies inside {run}, which is in use by the run on host {holder['host']}, pid {holder['pid']}" in line
         assert line.endswith("choose another job.dump_folder") and tree(run) == [".lock"]
         assert main([*FAST, "--job.dump_folder", str(tmp_path / "parent")]) == BAD_INPUT
-        line = one_error(capsys)
+        line = one_error(capsys, logged=True)
         assert f"{tmp_path / 'parent'} holds {run}, which is in use by the run on host" in line, line
         assert main([*FAST, "--job.dump_folder", str(tmp_path / "mine"), "--checkpoint.enable", "true",
                      "--checkpoint.folder", str(run / "ck")]) == BAD_INPUT
-        assert "choose another checkpoint.folder" in one_error(capsys) and tree(run) == [".lock"]
+        assert "choose another checkpoint.folder" in one_error(capsys, logged=True) and tree(run) == [".lock"]
     finally:
         held.release()
     assert main([*FAST, "--job.dump_folder", str(run / "sub")]) == 0  # free once RUN has ended
