@@ -49,8 +49,8 @@ WORKING_BYTES = 367_000  # per token: (34.7 - 23.0) GiB / 32k tokens, less the 4
 GATHER_BYTES = 5  # per block parameter: (39.3 - 37.4) GiB / the 403M expert parameters EP=2 does not gather
 FIXED_GIB = 0.8  # 23.0 GiB at 32k less the states (10.1 GiB), the gathered block (0.4 GiB) and the activations
 LAYER_BYTES = 263_000  # per token and block without AC: 8 layers, 32 experts, 8k tokens on one GPU, 49.1 GiB
-FITTED_LOGITS = 2048  # tokens of logits alive at the loss in every peak of MEASURED (FIXED_GIB holds them): two
-# chunks of 1024, each chunk's held through the next until df678e8, as one chunk of 2048 holds now
+FITTED_LOGITS = 2048  # tokens of logits alive at the loss in every peak of MEASURED (FIXED_GIB holds them): what a
+# loss chunk of 2048 holds, the loss keeping one chunk's logits alive at a time
 LOGIT_BYTES = 2  # per token of the loss chunk and vocabulary entry: bf16 logits, their gradient written in place
 
 

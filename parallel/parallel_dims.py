@@ -84,6 +84,8 @@ class ParallelDims:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        from .torch_internals import flatten_mesh
+
         if not dist.is_initialized():
             return None
         r, d, c, ep = self.dp_replicate, self.dp_shard, self.cp, self.ep
@@ -94,12 +96,12 @@ class ParallelDims:
             world = init_device_mesh(device_type, (r, d * c // ep, ep // c, c),
                                      mesh_dim_names=("dp_replicate", "efsdp", "dp_shard_in_ep", "cp"))
             inner = ("efsdp", "dp_shard_in_ep", "cp")
-        fsdp = world[inner]._flatten("dp_shard_cp")
+        fsdp = flatten_mesh(world[inner], "dp_shard_cp")
         if r > 1:
             fsdp = world["dp_replicate", "dp_shard_cp"]
         ep_mesh = expert_fsdp = None
         if ep > 1:
-            ep_mesh = world["dp_shard_in_ep", "cp"]._flatten("ep")
+            ep_mesh = flatten_mesh(world["dp_shard_in_ep", "cp"], "ep")
             expert_fsdp = world["dp_replicate", "efsdp"] if r > 1 else world["efsdp"]
         # CP is innermost, so the ranks of one data-parallel rank are consecutive: its index is rank // cp.
         return Meshes(world, fsdp, world["cp"] if c > 1 else None, dist.get_rank() // c, ep_mesh, expert_fsdp)

@@ -23,6 +23,10 @@ release changes the behaviour relied on.
 8. A tensor's version counter moves with every in-place change made through torch, and not with a kernel's writes
    through a raw pointer (`version_counters`): one GPU's weight copies are recast when their weight changed by
    anything but FastAdam's kernel, which writes the copy itself (one_device_precision.py).
+9. A device mesh's dimensions flatten into one named dimension over the same ranks (`flatten_mesh`, torch's
+   `DeviceMesh._flatten`), which the root mesh then slices by its name beside its other dimensions (torch warns that
+   it will deprecate that slicing): the FSDP mesh and HSDP's (dp_replicate, dp_shard_cp), and the EP group
+   (parallel_dims.py).
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ import logging
 import operator
 import types
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -123,3 +131,10 @@ def version_counters(tensors: Iterable[torch.Tensor]) -> list[int]:
     `copy_`, `load_state_dict`) and a write through a raw pointer (a Triton kernel's store) does not."""
     _guard("version_counters (parallel/torch_internals.py)")
     return list(map(_version, tensors))
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1-D mesh named `name` over the ranks of `mesh`'s dimensions (a slice of a root mesh, row-major), which the
+    root mesh then also slices by `name`."""
+    _guard("flatten_mesh (parallel/torch_internals.py)")
+    return mesh._flatten(name)

@@ -10,13 +10,14 @@ One module a job:
   validate.py          the one validation pass: values, the parallel layout, what the run reads
   run_requirements.py  what the run reads, against the disk and the model (paths, flavor, tokenizer, CP / EP)
   renamed.py           old keys and values, still read with a notice; saved run configs read under today's names
-  errors.py            ConfigError (every problem, numbered): one `error:` line, exit code 2
+  errors.py            ConfigError (every problem, numbered), which the entry points print as one `error:` line,
+                       exit code 2
   help.py              `--help`
   resume.py            what a relaunch on a checkpoint changes (reads the LR schedule, which imports torch: not
                        imported here)
 """
 
-from .errors import ConfigError, describe_problems, exit_on_config_error
+from .errors import ConfigError, describe_problems
 from .load import DEFAULT_CONFIG, check_launch, load_config, to_toml, with_absolute_paths, with_default_config
 from .schema import (ALL_KEYS, INPUT_PATH_KEYS, OUTPUT_PATH_KEYS, SCHEMA, ActivationCheckpoint, Checkpoint,
                      Compile, Debug, Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Profiling,
@@ -27,6 +28,6 @@ __all__ = [
     "ALL_KEYS", "DEFAULT_CONFIG", "INPUT_PATH_KEYS", "OUTPUT_PATH_KEYS", "SCHEMA", "ActivationCheckpoint",
     "Checkpoint", "Compile", "ConfigError", "Debug", "Job", "JobConfig", "LRScheduler", "Metrics", "Model",
     "Optimizer", "Parallelism", "Profiling", "RunLayout", "Training", "Validation", "check_launch",
-    "check_run_requirements", "config_problems", "describe_problems", "exit_on_config_error", "load_config",
-    "to_toml", "validate_parallelism", "with_absolute_paths", "with_default_config",
+    "check_run_requirements", "config_problems", "describe_problems", "load_config", "to_toml", "validate_parallelism",
+    "with_absolute_paths", "with_default_config",
 ]

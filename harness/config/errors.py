@@ -1,9 +1,8 @@
-"""ConfigError: bad configuration input, every problem found at once; what an entry point does with it."""
+"""ConfigError: bad configuration input, every problem found at once."""
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .schema import JobConfig
@@ -30,9 +29,3 @@ def describe_problems(problems: list[str]) -> str:
         return problems[0]
     return f"the run cannot start, {len(problems)} problems: " + " ".join(
         f"({i}) {p}{';' if i < len(problems) else ''}" for i, p in enumerate(problems, 1))
-
-
-def exit_on_config_error(err: ConfigError) -> NoReturn:
-    """What an entry point does with a ConfigError: one line on stderr, exit code 2 (usage error)."""
-    print(f"error: {err}", file=sys.stderr)
-    sys.exit(2)

@@ -10,10 +10,9 @@ from typing import NamedTuple
 
 import torch
 
-from .streamed import StreamPacker
+from .streamed import END, StreamPacker
 
 PREFETCH_BATCHES = 4  # hf: batches packed ahead of the training step
-_END = object()  # the packer has no batch left (a finite stream)
 
 
 class _Failure(NamedTuple):
@@ -34,7 +33,7 @@ class PrefetchingLoader:
         self._queue: queue.Queue | None = None
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
-        self._final = None  # _END or _Failure once the thread has stopped for good
+        self._final = None  # END or _Failure once the thread has stopped for good
 
     def __iter__(self) -> PrefetchingLoader:
         return self
@@ -43,9 +42,9 @@ class PrefetchingLoader:
         if self._final is None and self._thread is None:
             self._start()
         item = self._final if self._final is not None else self._queue.get()
-        if item is _END or isinstance(item, _Failure):
+        if item is END or isinstance(item, _Failure):
             self._final = item
-            if item is _END:
+            if item is END:
                 raise StopIteration
             raise item.error
         batch, self._state = item
@@ -83,7 +82,7 @@ def _produce(packer: StreamPacker, out: queue.Queue, stop: threading.Event) -> N
             if not _put(out, (batch, packer.state_dict()), stop):
                 return
     except StopIteration:
-        _put(out, _END, stop)
+        _put(out, END, stop)
     except BaseException as e:  # handed to the consumer, which raises it
         _put(out, _Failure(e), stop)
 

@@ -28,7 +28,7 @@ from .token_cache import TextEncoder
 
 logger = logging.getLogger(__name__)
 
-_END = object()  # end of a pass over the documents
+END = object()  # the end of a sequence: a pass over the documents; a finite stream's batches (prefetch.py)
 
 
 def _report_left_out(count: int, dp_rank: int, what: str, latest: str, done: str = "left out") -> None:
@@ -108,8 +108,8 @@ class StreamPacker:
             if self._docs is None:  # skip without tokenising: resume costs one read of the skipped documents
                 self._docs = itertools.islice(iter(self.documents()), self.doc_index, None)
                 self._pass = _PassTally(whole=self.doc_index == 0)
-            doc = next(self._docs, _END)
-            if doc is not _END:
+            doc = next(self._docs, END)
+            if doc is not END:
                 self.doc_index += 1
                 return doc
             if self.doc_index == 0:

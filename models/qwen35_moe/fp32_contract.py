@@ -12,9 +12,6 @@ these tensors when a checkpoint holds them in lower precision.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -32,15 +29,6 @@ GDN_FP32_CHECKPOINT_ARCHITECTURES = frozenset(
 )
 
 _LINEAR_ATTN = ".linear_attn."
-
-
-def has_gated_delta_net_fp32_checkpoint_contract(hf_config: Any) -> bool:
-    """Whether a transformers config (object or config.json dict) is one of the fp32-gate architectures."""
-    if isinstance(hf_config, Mapping):
-        architectures = hf_config.get("architectures")
-    else:
-        architectures = getattr(hf_config, "architectures", None)
-    return any(arch in GDN_FP32_CHECKPOINT_ARCHITECTURES for arch in architectures or ())
 
 
 def _split(key: str) -> tuple[str, str] | None:

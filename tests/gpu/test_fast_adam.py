@@ -1,8 +1,8 @@
 """FastAdam's CUDA step (harness/optim/fast_adam.py, one Triton kernel per parameter group) against a float64 Adam/AdamW
 written out here (torch's fused step on the same inputs printed alongside): three steps, with and without a
 gradient scale (the folded clipping), decay and no-decay groups, sizes that do not fill the kernel's last block;
-and a state that starts as torch's fused optimizer left it (a checkpoint from before FastAdam: its step counts
-live on the GPU).
+and a state that starts as torch's fused optimizer left it (a checkpoint saved by torch's fused AdamW: its step
+counts live on the GPU).
 
 FastAdam's math is fp32, so it must land within fp32 rounding of the float64 result: the parameters to a few
 units in their last place (rtol 5e-7, ~4 ulp; atol 2.5e-7, 2 ulp at 1, for values that cancel towards 0), the
@@ -170,10 +170,10 @@ def test_fast_adam_reads_half_precision_gradients_as_their_fp32_upcasts(dtype):
 
 
 def test_fast_adam_steps_a_group_in_one_launch_as_one_launch_per_parameter():
-    """FastAdam launches one kernel per parameter group (the host cost of a launch per parameter was 7-9 ms a
-    step); that launch leaves bitwise what one launch per parameter leaves (the same arithmetic per value), over
-    sizes that end mid-block, bf16 gradients and kept bf16 copies; vectorised (every address 16-byte aligned) and
-    not (one gradient starts 2 bytes into its buffer, as a shard's gradient may)."""
+    """FastAdam launches one kernel per parameter group (a launch per parameter costs 7-9 ms of host time a step:
+    docs/performance.md, "Tried, not kept"); that launch leaves bitwise what one launch per parameter leaves (the same
+    arithmetic per value), over sizes that end mid-block, bf16 gradients and kept bf16 copies; vectorised (every
+    address 16-byte aligned) and not (one gradient starts 2 bytes into its buffer, as a shard's gradient may)."""
     from harness.optim.adam_step_triton import adam_steps_
 
     g = torch.Generator().manual_seed(1)

@@ -1,7 +1,6 @@
 import pytest
 
-from harness.config import (ConfigError, JobConfig, exit_on_config_error, load_config, validate_parallelism,
-                            with_default_config)
+from harness.config import ConfigError, JobConfig, load_config, validate_parallelism, with_default_config
 from harness.config.help import config_help
 
 
@@ -312,11 +311,21 @@ def test_parallel_degrees_and_batch_problems_join_the_values_problems():
                                 "parallelism.context_parallel_degree must be >= 1, got 0"]
 
 
-def test_exit_on_config_error_prints_and_exits_2(capsys):
-    with pytest.raises(SystemExit) as e:
-        exit_on_config_error(ConfigError("training.steps must be positive"))
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: training.steps must be positive"
+@pytest.mark.parametrize("entry_point", ["launch", "train"])
+def test_a_config_error_is_one_error_line_and_exit_code_2_from_each_entry_point(entry_point, capsys, monkeypatch):
+    """The launcher (before any worker starts) and a worker (under torchrun started by hand) alike."""
+    import importlib
+    import signal
+
+    main = importlib.import_module(f"harness.{entry_point}").main
+    monkeypatch.setenv("NGPU", "1")
+    monkeypatch.delenv("QWEN35_EXIT_DIR", raising=False)
+    interrupt = signal.getsignal(signal.SIGINT)  # the launcher sets its own
+    try:
+        assert main(["--training.steps", "0"]) == 2
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    assert capsys.readouterr().err.strip() == "error: training.steps must be positive, got 0"
 
 
 # --- parallelism and batch -----------------------------------------------------------------------

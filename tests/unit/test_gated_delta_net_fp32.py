@@ -6,7 +6,6 @@ from models.qwen35_moe.fp32_contract import (
     FP32_GDN_PARAM_NAMES,
     GDN_FP32_CHECKPOINT_ARCHITECTURES,
     HOLDER_NAME,
-    has_gated_delta_net_fp32_checkpoint_contract,
     is_gated_delta_net_fp32_param_key,
     route_fp32_holder_key,
     strip_fp32_holder_key,
@@ -20,16 +19,6 @@ def test_constants():
     assert "Qwen3_5MoeForCausalLM" in GDN_FP32_CHECKPOINT_ARCHITECTURES
     assert "Qwen3_5MoeForConditionalGeneration" in GDN_FP32_CHECKPOINT_ARCHITECTURES
     assert "Qwen3NextForCausalLM" in GDN_FP32_CHECKPOINT_ARCHITECTURES
-
-
-def test_architecture_detection_from_object_and_dict():
-    class Cfg:
-        architectures = ["Qwen3_5MoeForConditionalGeneration"]
-
-    assert has_gated_delta_net_fp32_checkpoint_contract(Cfg())
-    assert has_gated_delta_net_fp32_checkpoint_contract({"architectures": ["Qwen3_5ForCausalLM"]})
-    assert not has_gated_delta_net_fp32_checkpoint_contract({"architectures": ["LlamaForCausalLM"]})
-    assert not has_gated_delta_net_fp32_checkpoint_contract({})
 
 
 def test_key_classification():

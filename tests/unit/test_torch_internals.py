@@ -9,6 +9,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from parallel.torch_internals import (
     FUNCTIONAL_COLLECTIVES,
+    flatten_mesh,
     function_with_own_frames,
     functional_collective_ops,
     graph_break_error,
@@ -194,3 +195,26 @@ def test_version_counters_move_with_in_place_changes_through_torch_only():
         before = after
     weight.detach().numpy()[:] = 5.0  # the same memory, written outside torch's ops
     assert version_counters([weight]) == [before] and bool((weight == 5).all())
+
+
+def test_flattened_mesh_dimensions_keep_their_ranks_in_order_and_the_root_mesh_slices_them_by_name():
+    """parallel_dims.py's meshes under EP and HSDP, on rank 13 of (dp_replicate 2, efsdp 2, dp_shard_in_ep 2, cp 2):
+    the FSDP dimension flattens the last three, the EP group the last two of the same world mesh, each over its ranks
+    in row-major order, and HSDP's mesh is the world mesh sliced by the flattened name beside dp_replicate."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=13, world_size=16)  # meshes of 16 ranks, no traffic
+    try:
+        world = init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=("dp_replicate", "efsdp", "dp_shard_in_ep", "cp"))
+        fsdp = flatten_mesh(world["efsdp", "dp_shard_in_ep", "cp"], "dp_shard_cp")
+        ep = flatten_mesh(world["dp_shard_in_ep", "cp"], "ep")
+        assert fsdp.mesh_dim_names == ("dp_shard_cp",) and fsdp.mesh.tolist() == list(range(8, 16))
+        assert ep.mesh_dim_names == ("ep",) and ep.mesh.tolist() == [12, 13, 14, 15]
+        assert (fsdp.get_local_rank(), ep.get_local_rank()) == (5, 1)
+        hsdp = world["dp_replicate", "dp_shard_cp"]
+        assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+        assert hsdp.mesh.tolist() == [list(range(8)), list(range(8, 16))]
+    finally:
+        dist.destroy_process_group()
