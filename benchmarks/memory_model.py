@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO))
 from bench_model import bench_args  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor  # noqa: E402
 from models.qwen35_moe.kernels.linear_cross_entropy import CHUNK_TOKENS  # noqa: E402
-from models.qwen35_moe.lora import LoraArgs, add_adapters  # noqa: E402
+from models.qwen35_moe.lora_targets import LoraArgs  # noqa: E402
+from models.qwen35_moe.sizes import adapter_count  # noqa: E402
 
 GIB = 1024**3
 WORKING_BYTES = 367_000  # per token: (34.7 - 23.0) GiB / 32k tokens, less the 4 saved block inputs (16 KiB)
@@ -65,14 +66,6 @@ class Setup:
     ac: str = "full"
     lora_rank: int = 0  # LoRA on lora.py's default targets; 0: a full fine-tune
     loss_chunk: int = CHUNK_TOKENS  # training.loss_chunk_tokens
-
-
-def adapter_count(args: Qwen35MoeArgs, rank: int) -> int:
-    """Parameters of LoRA's adapters of `rank` on the default targets (the MTP layers' frozen)."""
-    with torch.device("meta"):
-        model = Qwen35MoeModel(args)
-        add_adapters(model, LoraArgs(rank=rank, alpha=2.0 * rank))
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def parameter_counts(args: Qwen35MoeArgs) -> dict[str, int]:
@@ -100,7 +93,7 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     block = block_dense + counts["experts"] / layers / s.ep
     gathered = GATHER_BYTES * block
     if s.lora_rank:  # the base frozen in bf16 (2 B), the adapters as any trained parameter (16 B)
-        states = (2 * counts["total"] + 16 * adapter_count(args, s.lora_rank)) / shards
+        states = (2 * counts["total"] + 16 * adapter_count(args, LoraArgs(rank=s.lora_rank, alpha=2.0 * s.lora_rank))) / shards
         gathered = 0 if shards == 1 else gathered  # one GPU: no FSDP, nothing gathered
     tokens = s.seq * s.local_batch // s.cp
     gdn_layers = sum(t == "linear_attention" for t in args.layer_types)

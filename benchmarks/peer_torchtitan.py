@@ -51,7 +51,7 @@ and our optimizer settings: AdamW lr, betas, eps, weight decay on matrices only,
 gradient clipping at training.max_norm. torchtitan and transformers are timed per step around the whole step.
 
 Prints per contender tokens/s (median over the steps after `--warmup`), MFU by our formula
-(harness.metrics.training_flops_per_token, attention credited by the rows' documents as hf_baseline.py does),
+(models/qwen35_moe/flops.py training_flops_per_token, attention credited by the rows' documents as hf_baseline.py does),
 peak memory and losses; the ratios of ours to the others; each step's loss and the largest difference from ours.
 A contender that fails (import, compile, out of memory) is reported with its log's last lines.
 """
@@ -294,7 +294,8 @@ def report(ns, spec: dict, results: dict[str, dict], flops: float, device: str) 
 def main_parent(ns: argparse.Namespace) -> int:
     from bench_model import bench_args
     from harness.config import load_config
-    from harness.metrics import mean_attended_keys, training_flops_per_token
+    from harness.metrics import mean_attended_keys
+    from models.qwen35_moe.flops import training_flops_per_token
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = bench_args(ns.layers, ns.experts, ns.flavor)
@@ -639,7 +640,7 @@ def load_and_check(model, args, folder: Path) -> int:
     from torchtitan.models.qwen3_5 import Qwen35StateDictAdapter
 
     from models.qwen35_moe import load_hf_state_dict
-    from models.qwen35_moe.init import canonical_name  # less the wrappers AC and compile put in a name
+    from models.qwen35_moe.hooks import canonical_name  # less the wrappers AC and compile put in a name
 
     hf = load_hf_state_dict(folder)
     state = Qwen35StateDictAdapter(model.config, None).from_hf(torchtitan_input(hf))

@@ -19,10 +19,10 @@ holds qwen35_titan_export.json), never when it holds the step (the run's folder)
 (torch's format): a checkpoint from someone else is code; convert only your own or ones you trust.
 
 A LoRA run's step holds its adapters only (its train state names their settings and the base they were trained on,
-with a digest of it: harness/checkpoint/lora_base.py). It converts into the base with the adapters merged (each
-adapted weight W + s * B A, summed in fp32: the end-of-run export's files) at <hf_out_dir>, and into a PEFT adapter
-folder at <hf_out_dir>-adapter (harness/checkpoint/peft_adapter.py). The base is read, one tensor at a time, from the
-HF folder the run loaded it from, or from --base (a copy of it moved elsewhere); a base whose digest is not the saved
+with a digest of it: harness/lora/base.py). Through the run's LoRA part (harness/lora/run.py) it converts into the
+base with the adapters merged (each adapted weight W + s * B A, summed in fp32: the end-of-run export's files) at
+<hf_out_dir>, and into a PEFT adapter folder at <hf_out_dir>-adapter (harness/lora/peft.py), one unit. The base is
+read, one tensor at a time, from the HF folder the run loaded it from, or from --base (a copy of it moved elsewhere); a base whose digest is not the saved
 one is refused (exit 2). A base the run drew from the seed is drawn again here, on the CPU (the whole model in
 memory: debug sizes): a run drawn on a GPU drew other numbers and is refused by the digest only if it records the
 device.
@@ -42,19 +42,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, Qwen35MoeStateDictAdapter
-from models.qwen35_moe.lora import LoraArgs
+from models.qwen35_moe import Qwen35MoeArgs
+from models.qwen35_moe.lora_targets import is_adapter_key
 
 from .checkpoint.checkpointer import model_tensors
 from .checkpoint.errors import CheckpointError
-from .checkpoint.step_folders import step_folders
-from .checkpoint.hf_weights import (ExportTensors, ExportUnit, check_hf_export_folder, hf_native_tensors,
-                                   write_hf_folder)
+from .checkpoint.hf_weights import ExportUnit, check_hf_export_folder, write_native_export
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
-from .checkpoint.lora_merge import adapter_merges, expected_adapter_shapes, is_adapter_key, merged_reads
-from .checkpoint.peft_adapter import adapter_folder, write_peft_adapter
 from .checkpoint.plain_state import from_bytes
+from .checkpoint.step_folders import step_folders
 from .cli_parser import OneLineParser
+from .lora.run import LoraRun
+from .run_outputs import adapter_folder
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,9 +86,8 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     if base is not None and not lora:
         raise ConvertError(f"--base is for a LoRA run's checkpoint; {step_dir} holds a whole model's weights")
     # before the step's files are hashed: a refusal costs nothing
-    check_hf_export_folder(out_dir, source=step_dir)
-    if lora:
-        check_hf_export_folder(adapter_folder(out_dir), source=step_dir)
+    for folder in (out_dir, adapter_folder(out_dir)) if lora else (out_dir,):
+        check_hf_export_folder(folder, source=step_dir)
     verify(step_dir)
     if not (meta_dir / "config.json").is_file():
         raise ConvertError(f"{meta_dir / 'config.json'} is missing: the trainer writes it beside every checkpoint; "
@@ -105,26 +103,26 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
         wanted = {f"model.{key}": torch.empty(tuple(saved[key].size), dtype=saved[key].properties.dtype)}
         return _load(step_dir, wanted, key)[f"model.{key}"]
 
-    shapes = {k: tuple(md.size) for k, md in saved.items()}
-    read_merged = read
-    if lora:
-        lora_args, base, shapes, read_merged = _lora_sources(step_dir, args, shapes, read, base, export_dtype)
-    tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), shapes, export_dtype, read_merged)
-
     def extra_files(tmp: Path) -> None:  # tokenizer and generation config, as the run exported them
         for path in meta_dir.iterdir():
             if path.name != "config.json":
                 (shutil.copytree if path.is_dir() else shutil.copy2)(path, tmp / path.name)
 
-    unit = ExportUnit()  # a LoRA step's merged model and adapter: both written, or neither
+    shapes = {k: tuple(md.size) for k, md in saved.items()}
+    part = _lora_run(step_dir, args, shapes, base) if lora else None
+    if part is not None:  # the base's tensors beside the adapters: merged, and the PEFT adapter beside them
+        try:
+            base_shapes, base_read = part.base_tensors(args)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConvertError(f"the base {part.base}: {e}") from None
+        shapes, read = base_shapes | shapes, _either(read, base_read)
+    unit, notes = ExportUnit(), []  # a LoRA step's merged model and adapter: both written, or neither
+    options = {"extra_files": extra_files, "max_shard_bytes": int(max_shard_gib * 1024**3), "source": step_dir}
     try:
-        write_hf_folder(out_dir, args, export_dtype, tensors.specs, tensors.fetch, extra_files,
-                        max_shard_bytes=int(max_shard_gib * 1024**3), source=step_dir, unit=unit)
-        notes = []
-        if lora:
-            adapters = {k: tuple(md.size) for k, md in saved.items()}
-            notes = write_peft_adapter(adapter_folder(out_dir), lora_args, adapters, read, base or None, step_dir,
-                                       unit=unit)
+        if part is not None:
+            notes = part.write_exports(out_dir, args, export_dtype, shapes, read, unit, **options)
+        else:
+            write_native_export(out_dir, args, export_dtype, shapes, read, unit=unit, **options)
         unit.publish()
     except BaseException:
         unit.discard()
@@ -132,6 +130,11 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     for note in notes:
         print(note)
     return [folder.resolve() for _, folder in unit.written]
+
+
+def _either(read_adapter, read_base):
+    """The reader of a LoRA step's native keys: its adapters from the checkpoint, the rest from the base."""
+    return lambda key: read_adapter(key) if is_adapter_key(key) else read_base(key)
 
 
 def _load(step_dir: Path, wanted: dict, what: str) -> dict:
@@ -144,66 +147,22 @@ def _load(step_dir: Path, wanted: dict, what: str) -> dict:
     return wanted
 
 
-def _lora_sources(step_dir: Path, args: Qwen35MoeArgs, adapters: dict[str, tuple[int, ...]], read_adapter,
-                  base: str | None, dtype: torch.dtype):
-    """A LoRA step's settings, its base's folder ("": drawn from the seed), and the native shapes and the reader of
-    the merged model: the base's tensors, the adapted ones merged with the step's adapters (read by `read_adapter`)."""
-    lora, record, seed = _lora_run(step_dir, args, adapters)
-    source = record["base"]["source"] if base is None else base
-    _check_base(step_dir, record["base"], source, seed, args)
-    if source:
-        try:
-            shapes, base_read = hf_native_tensors(source, args)
-        except (ValueError, FileNotFoundError) as e:
-            raise ConvertError(f"the base {source}: {e}") from None
-    else:
-        with torch.device("meta"):
-            model = Qwen35MoeModel(args)
-        model.to_empty(device="cpu")
-        model.init_weights(seed)  # as the run drew it (on the CPU; models/qwen35_moe/init.py)
-        state = model.state_dict()
-        shapes, base_read = {k: tuple(v.shape) for k, v in state.items()}, state.__getitem__
-    merges = adapter_merges(adapters, lambda _: lora.scale)
-    read = merged_reads(lambda key: read_adapter(key) if is_adapter_key(key) else base_read(key), merges, dtype)
-    return lora, source, shapes, read
-
-
-def _lora_run(step_dir: Path, args: Qwen35MoeArgs, adapters: dict[str, tuple[int, ...]]):
-    """The LoRA settings, the train state's "lora" record and the run's seed (None: not recorded) of a step holding
-    the adapters `adapters`; ConvertError if its train state names no LoRA run or other adapters."""
+def _lora_run(step_dir: Path, args: Qwen35MoeArgs, adapters: dict[str, tuple[int, ...]],
+              base: str | None) -> LoraRun:
+    """The LoRA of the run that saved a step holding the adapters `adapters` (its train state's record), checked: the
+    adapters are the ones it describes, and its base (`base`: where it moved, if given) is there with the digest
+    the run saved. ConvertError naming the step otherwise."""
     train = from_bytes(_load(step_dir, {"train": b""}, "the train state")["train"], "train", step_dir)
     record = train.get("lora")
     if not record:
         raise ConvertError(f"{step_dir} holds LoRA adapters only, but its train state names no LoRA run (no 'lora' "
                            "entry): was it saved by another program?")
-    lora = LoraArgs(**{**record["args"], "targets": tuple(record["args"]["targets"])})
-    expected = expected_adapter_shapes(args, lora)
-    if adapters != expected:
-        differ = sorted(adapters.keys() ^ expected.keys()) or sorted(k for k in adapters if adapters[k] != expected[k])
-        raise ConvertError(f"{step_dir}'s adapters are not those its train state describes (rank {lora.rank} on "
-                           f"{', '.join(lora.targets)}): {', '.join(differ[:4])} ({len(differ)} in all)")
     seed = ((train.get("run_config") or {}).get("training") or {}).get("seed")
-    return lora, record, seed
-
-
-def _check_base(step_dir: Path, saved: dict, source: str, seed: int | None, args: Qwen35MoeArgs) -> None:
-    """ConvertError unless the base `source` ("": drawn from `seed`) is there and has the digest the run saved."""
-    from .checkpoint.lora_base import base_digest  # the digest the run saved (lora_base.py)
-
-    if not source and seed is None:
-        raise ConvertError(f"{step_dir}'s base was drawn from the seed, and its train state holds no run config to "
-                           "read the seed from: pass --base with the base's HF folder")
-    if source and not Path(source).exists():
-        raise ConvertError(f"{step_dir}'s adapters were trained on the base {source}, which is not there: pass --base "
-                           "with that base's HF folder")
-    try:
-        ours = base_digest(source, seed, args)  # a seed's base is drawn again here, on the CPU
-    except (OSError, ValueError) as e:  # a damaged or hostile safetensors file
-        raise ConvertError(f"the base {source}: {e}") from None
-    if ours != saved["digest"]:
-        raise ConvertError(f"{step_dir}'s adapters were trained on the base {saved['source'] or 'drawn from the seed'} "
-                           f"(digest {saved['digest']}); the base {source or 'drawn from the seed'} has digest {ours}: "
-                           "pass --base with the base they were trained on")
+    part = LoraRun.from_record(record, seed, base)
+    problem = part.adapters_problem(args, adapters) or part.base_problem(args, record["base"])
+    if problem is not None:
+        raise ConvertError(f"{step_dir}: {problem}")
+    return part
 
 
 def verify(step_dir: Path) -> None:

@@ -44,7 +44,9 @@ import torch
 from .cli_parser import OneLineParser
 from .config import JobConfig, Training, Validation
 from .data import sources
-from .data.chat import ChatEncoder, ChatOptions, chat_options, template_messages
+from .data.chat import ChatOptions, template_messages
+from .data.encoders import ChatEncoder
+from .data_setup import chat_options
 from .data.errors import DataError
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -137,17 +139,17 @@ def evaluate(export: str | Path, data: str, source: str = "jsonl", content: str 
     if max_rows is not None:
         batch_size = min(batch_size, max_rows)
     # Validation's settings as a run would hold them: training's row shape and content keys, this set, so many steps
-    cfg = JobConfig(training=Training(seq_len=seq_len, local_batch_size=batch_size, dataset_content=content),
-                    validation=Validation(enable=True, dataset_source=source, dataset_path=str(data),
-                                          steps=-1 if max_rows is None else max_rows // batch_size))
-
     def counted_inputs(batch, mtp=False):  # the Validator calls it once a batch: the progress bar ticks
         bar.update()
         return inputs(batch, mtp=mtp)  # `inputs` and `bar` are bound below, before the Validator calls it
 
     with tempfile.TemporaryDirectory(prefix="harness-evaluate-") as cache_dir:
+        cfg = JobConfig(training=Training(seq_len=seq_len, local_batch_size=batch_size, dataset_content=content,
+                                          dataset_cache_dir=cache_dir),
+                        validation=Validation(enable=True, dataset_source=source, dataset_path=str(data),
+                                              steps=-1 if max_rows is None else max_rows // batch_size))
         # The data first (its cache built, its errors raised), then the model: minutes of loading for a large one
-        validator = Validator(cfg, tokenizer, 0, 1, cache_dir, device, counted_inputs)
+        validator = Validator(cfg, tokenizer, 0, 1, device, counted_inputs)
         model = load_model(export, device)
         inputs = ModelInputs(model, device, LOSS_CHUNK_TOKENS)
         loader = validator.loader

@@ -26,6 +26,8 @@ import os
 from models.qwen35_moe.args import Qwen35MoeArgs
 from models.qwen35_moe.sizes import adapter_count, parameter_counts
 
+from .lora.settings import lora_args_of
+
 GIB = 1024**3
 FITS_NOWHERE = 4 * 1024 * GIB  # more than any one GPU or host holds: refused before a GPU run starts
 
@@ -35,10 +37,10 @@ def memory_floor(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, on_gpu: boo
     context-parallel degree), in bytes, by part: "state", "activations", "logits"."""
     counts = parameter_counts(args)
     value = 2 if on_gpu else 4
-    if cfg.lora.enable:
-        mtp_frozen = cfg.lora.mtp != "lora" or cfg.training.mtp_loss_coef == 0
-        adapters = adapter_count(args, cfg.lora.rank, tuple(cfg.lora.targets), not mtp_frozen)
-        frozen = counts.total - (_mtp_parameters(args) if mtp_frozen else 0)
+    lora = lora_args_of(cfg)
+    if lora is not None:
+        adapters = adapter_count(args, lora)
+        frozen = counts.total - (0 if lora.mtp else _mtp_parameters(args))  # a frozen MTP layer need not be held
         state = value * frozen + 8 * adapters
     else:
         state = 16 * counts.total

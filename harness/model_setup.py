@@ -14,7 +14,6 @@ from torch.distributed.fsdp import FSDPModule
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
 from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward, refuse_fla_hopper_backward
 from models.qwen35_moe.kernels.gated_delta_rule import require_fla
-from models.qwen35_moe.lora import LoraArgs, add_adapters, hold_frozen_in
 from models.qwen35_moe.moe import force_balanced_routing
 from parallel.parallel_dims import Meshes
 from parallel.parallelize import parallelize_qwen35_moe
@@ -23,6 +22,7 @@ from parallel.vocab_parallel import resolve_vocab_parallel
 from .checkpoint.hf_weights import load_hf_weights
 from .config import JobConfig
 from .config.run_requirements import model_args_of
+from .lora.run import LoraRun
 
 logger = logging.getLogger(__name__)
 
@@ -49,30 +49,21 @@ def _vocab_parallel(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes) -> bool
     return chosen
 
 
-def trains_mtp(cfg: JobConfig, model: Qwen35MoeModel) -> bool:
+def trains_mtp(cfg: JobConfig, model: Qwen35MoeModel, lora: LoraRun | None) -> bool:
     """Whether the run trains the model's MTP layers (it has some, their loss has a weight and, under LoRA, they
     have adapters)."""
-    return model.mtp is not None and cfg.training.mtp_loss_coef > 0 and (not cfg.lora.enable or cfg.lora.mtp == "lora")
-
-
-def lora_args(cfg: JobConfig) -> LoraArgs | None:
-    """The run's LoRA (config [lora]), None without."""
-    lora = cfg.lora
-    if not lora.enable:
-        return None
-    return LoraArgs(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), mtp=lora.mtp == "lora")
+    return model.mtp is not None and cfg.training.mtp_loss_coef > 0 and (lora is None or lora.trains_mtp)
 
 
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
-                load_hf: bool = True, grad_accum_steps: int = 1) -> Qwen35MoeModel:
+                lora: LoraRun | None = None, load_hf: bool = True, grad_accum_steps: int = 1) -> Qwen35MoeModel:
+    """`lora`: the run's LoRA (harness/lora/run.py), which converts the model before it is parallelized."""
     with torch.device("meta"):
         model = Qwen35MoeModel(args)
-    lora = lora_args(cfg)
-    if lora is not None:
-        adapted = add_adapters(model, lora)
-        logger.info("LoRA: rank %d, alpha %g, on %d modules (%s); every other weight frozen", lora.rank, lora.alpha,
-                    adapted, ", ".join(lora.targets))
-    train_mtp = trains_mtp(cfg, model)
+    on_gpu = device.type == "cuda"
+    if lora is not None:  # the frozen base held in the compute dtype on a GPU; CPU runs compute in fp32 anyway
+        lora.convert(model, DTYPES[cfg.training.mixed_precision_param] if on_gpu else None)
+    train_mtp = trains_mtp(cfg, model, lora)
     if model.mtp is not None and not train_mtp:
         # Loaded, kept and exported as they are, never run: frozen, and so without gradients or optimizer state.
         model.mtp.requires_grad_(False)
@@ -96,9 +87,6 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     elif device.type == "cuda":
         refuse_fla_hopper_backward()
     # CPU runs compute in the parameters' own dtype (fp32): bf16 matmuls are slow there, the debug model is tiny.
-    on_gpu = device.type == "cuda"
-    if lora is not None and on_gpu:
-        hold_frozen_in(model, DTYPES[cfg.training.mixed_precision_param])
     if cfg.compile.enable and cfg.activation_checkpoint.mode == "selective":
         logger.warning("activation_checkpoint.mode selective with compile.enable: the per-op policy cannot see into "
                        "the compiled graphs, which are recomputed whole; full is faster and holds less "

@@ -24,11 +24,13 @@ as the loss (models/qwen35_moe/kernels/linear_cross_entropy.py), so a weight app
 lm_head's fp32 gradient (2 GiB at 35B-A3B). The model chooses no weight of its own; the values logged are read
 back from the weighted sums here.
 
-Logged per step (all-reduced once): `loss` (CE), `aux_loss` (balance), `mtp_loss` (mean_k MTP_k), and the routing
-loads (`routing_loads`).
+A step's result is a `StepLosses` (all-reduced once): `loss` (CE), `aux_loss` (balance), `mtp_loss` (mean_k MTP_k),
+and the routing counts, of which harness/step_metrics.py logs the loads (`routing_loads`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,15 @@ import torch.distributed as dist
 from models.qwen35_moe.moe import RouterStats, load_balancing_loss
 
 from .data.loader import IGNORE_INDEX
+
+
+class StepLosses(NamedTuple):
+    """A step's losses over the whole global batch (all-reduced) and its routing counts, on the device, unread."""
+
+    loss: torch.Tensor  # CE, the token mean of the cross entropy over the label tokens (0-dim)
+    aux_loss: torch.Tensor  # the balance loss (0-dim)
+    mtp_loss: torch.Tensor  # the mean over the MTP depths of their token-mean cross entropies (0-dim; 0 without)
+    routing_counts: torch.Tensor  # (layers, experts): top-k assignments, pooled over ranks and micro-batches
 
 
 def global_label_tokens(microbatches: list[dict[str, torch.Tensor]], device: torch.device,
@@ -86,10 +97,9 @@ class Objective:
         self.aux_loss_coef, self.mtp_loss_coef = aux_loss_coef, mtp_loss_coef
         self.world, self.distributed, self.device = world, distributed, device
 
-    def minimise(self, model: torch.nn.Module, microbatches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    def minimise(self, model: torch.nn.Module, microbatches: list[dict]) -> StepLosses:
         """The forward and backward of every micro-batch (the model's keyword arguments, harness/batch.py), its
-        gradients accumulated. Returns, on the device and unread, (loss, aux_loss, mtp_loss) of the global batch
-        (all-reduced) and the step's routing counts pooled over ranks and micro-batches, (layers, experts)."""
+        gradients accumulated; returns the step's losses and routing counts."""
         n_tokens, *mtp_tokens = global_label_tokens(microbatches, self.device, self.distributed).unbind()
         ce_weight = self.world / n_tokens
         mtp_weights = None
@@ -113,7 +123,7 @@ class Objective:
         losses = torch.stack((ce_total, aux_total, mtp_total))
         if self.distributed:
             dist.all_reduce(losses)
-        return losses, counts
+        return StepLosses(*losses.unbind(), counts)
 
 
 def _with_mtp_layers(out) -> RouterStats:

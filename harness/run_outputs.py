@@ -35,7 +35,9 @@ from pathlib import Path
 from .atomic_file import write_whole
 
 RUN_FILE = "run.json"
-METRICS, CONFIG, EXPORT, ADAPTER = "metrics.jsonl", "config.toml", "hf", "hf-adapter"  # hf-adapter: LoRA's PEFT export
+ADAPTER_SUFFIX = "-adapter"  # a LoRA export's PEFT adapter, beside its merged model (`adapter_folder`)
+METRICS, CONFIG, EXPORT = "metrics.jsonl", "config.toml", "hf"
+ADAPTER = EXPORT + ADAPTER_SUFFIX
 OUTPUTS = (METRICS, CONFIG, EXPORT, ADAPTER)
 
 
@@ -46,6 +48,12 @@ class OutputError(RuntimeError):
     def __init__(self, message: str, every_rank: bool = False):
         super().__init__(message)
         self.every_rank = every_rank
+
+
+def adapter_folder(export_folder: str | Path) -> str:
+    """Where the PEFT adapter of a merged export goes: beside it, `<export_folder>-adapter` (`.` and `..` taken as
+    the folders they name): <dump_folder>/hf-adapter for the end of a run, <out>-adapter for the converter's."""
+    return os.path.abspath(export_folder) + ADAPTER_SUFFIX
 
 
 def new_run_id() -> str:

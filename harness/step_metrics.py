@@ -21,8 +21,15 @@ from collections.abc import Callable
 import torch
 
 from .metrics import DeviceClock, MetricsLogger, max_memory_gib
+from .objective import StepLosses, routing_loads
 
 NAMES = ("loss", "aux_loss", "mtp_loss", "grad_norm", "expert_load", "ep_rank_load")
+
+
+def reported_names(mtp: bool, ep: int) -> tuple[str, ...]:
+    """The values a step reports: the MTP loss with a trained MTP layer, the EP rank load under EP."""
+    return ("loss", "aux_loss", "grad_norm", "expert_load", *(("mtp_loss",) if mtp else ()),
+            *(("ep_rank_load",) if ep > 1 else ()))
 
 
 class TrainingDivergedError(RuntimeError):
@@ -30,13 +37,17 @@ class TrainingDivergedError(RuntimeError):
 
 
 class StepValues:
-    """Step `step`'s values (`NAMES`, a tensor on the device), copied to the host as soon as the step's kernels have
-    run: reading them waits for that step only. (Read from the device, they would wait for every kernel queued after
-    them too, the next step's included.) `ended`: the moment the step ended on the device (metrics.DeviceClock).
-    `reported`: the names a read returns (the MTP loss with a trained MTP layer, the EP rank load under EP)."""
+    """Step `step`'s values (`NAMES`: its losses, gradient norm and routing loads, packed into one tensor on the
+    device), copied to the host as soon as the step's kernels have run: reading them waits for that step only. (Read
+    from the device, they would wait for every kernel queued after them too, the next step's included.) `ended`: the
+    moment the step ended on the device (metrics.DeviceClock). `reported`: the names a read returns."""
 
-    def __init__(self, step: int, values: torch.Tensor, clock: DeviceClock, reported: tuple[str, ...]):
+    def __init__(self, step: int, losses: StepLosses, grad_norm: torch.Tensor, ep: int, clock: DeviceClock,
+                 reported: tuple[str, ...]):
         self.step, self.reported = step, reported
+        dtype = losses.loss.dtype
+        values = torch.cat((torch.stack((losses.loss, losses.aux_loss, losses.mtp_loss, grad_norm.to(dtype))),
+                            routing_loads(losses.routing_counts, ep).to(dtype)))
         if values.device.type == "cuda":
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
@@ -61,10 +72,12 @@ class StepLog:
     """The steps run since they were last read and logged (see the module docstring)."""
 
     def __init__(self, metrics: MetricsLogger, clock: DeviceClock, device: torch.device, tokens_per_step: int,
-                 flops_per_token: Callable[[float], float], peak_flops: float | None):
+                 flops_per_token: Callable[[float], float], peak_flops: float | None, mtp: bool = False, ep: int = 1):
         """`tokens_per_step`: this device's tokens of one step; `flops_per_token(mean attended keys)`: the training
-        FLOPs of one token (metrics.training_flops_per_token); `peak_flops`: the device's (None: no MFU)."""
+        FLOPs of one token (models/qwen35_moe/flops.py); `peak_flops`: the device's (None: no MFU); `mtp`: an MTP
+        layer trains; `ep`: the expert-parallel degree."""
         self.metrics, self.clock, self.device = metrics, clock, device
+        self.ep, self.reported = ep, reported_names(mtp, ep)
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
         self.unread: list[StepValues] = []
         self.window: list[tuple[int, float, float, object, object]] = []  # not yet logged: step, keys, lr, moments
@@ -76,6 +89,10 @@ class StepLog:
     def read_late(self) -> bool:
         """Whether a due step waits for the next one to be queued: only a device that runs behind the host gains."""
         return self.device.type == "cuda"
+
+    def values(self, step: int, losses: StepLosses, grad_norm: torch.Tensor) -> StepValues:
+        """Step `step`'s values, unread (`StepValues`), from its losses and gradient norm."""
+        return StepValues(step, losses, grad_norm, self.ep, self.clock, self.reported)
 
     def ran(self, values: StepValues, attended_keys: float, lr: float) -> None:
         """A step is queued: its values, the mean keys a query attended to in its rows, and its learning rate."""

@@ -14,10 +14,6 @@ import time
 
 import torch
 
-from models.qwen35_moe.lora import active_adapter_params
-from parallel.expert_parallel import scale_expert_gradients
-from parallel.grad_norm import clip_grad_norm_
-from parallel.one_device_precision import gradient_holders
 from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
@@ -25,27 +21,27 @@ from .atomic_file import write_whole
 from .batch import ModelInputs
 from .checkpoint.checkpointer import Checkpointer
 from .checkpoint.step_folders import step_folders, verified_resume_step
-from .checkpoint.lora_base import lora_record
-from .checkpoint.peft_adapter import adapter_folder, export_peft_adapter
 from .checkpoint.errors import CheckpointError, ExportRefused
 from .checkpoint.hf_weights import ExportUnit, check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
 from .config import ConfigError, JobConfig, to_toml, validate_parallelism, with_absolute_paths
 from .config.run_requirements import model_args_of
 from .memory_check import device_memory_problem
-from .data.chat import chat_options
-from .data.loader import build_dataloader
-from .objective import Objective, routing_loads
+from .data_setup import build_data_loader
+from .objective import Objective, StepLosses
 from .optim.lr_schedule import build_lr_scheduler
-from .metrics import DeviceClock, MetricsLogger, mean_attended_keys, peak_flops, training_flops_per_token
-from .model_setup import DTYPES, build_model, build_model_args, lora_args, trains_mtp
-from .optim.fast_adam import FastAdam
+from models.qwen35_moe.flops import training_flops_per_token
+
+from .metrics import DeviceClock, MetricsLogger, mean_attended_keys, peak_flops
+from .lora.run import LoraRun
+from .model_setup import DTYPES, build_model, build_model_args, trains_mtp
 from .optim.optimizer import build_optimizer
+from .optim.relaunch import apply_optimizer_settings
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
-from .config.resume import apply_optimizer_settings, other_changes
+from .config.resume import other_changes
 from .run_folders import written_folders
 from .run_lock import acquire_run_lock
-from .run_outputs import OutputError, claim_outputs
+from .run_outputs import EXPORT, OutputError, claim_outputs
 from .runtime import GarbageSchedule, cpu_process_group, init_process_group, pick_device, set_seed
 from .step_metrics import StepLog, StepValues, TrainingDivergedError
 from .data.tokenizer import build_tokenizer
@@ -85,12 +81,13 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
+        self.lora = LoraRun.from_config(cfg)  # None without LoRA (harness/lora/run.py)
         # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all (but
         # under LoRA, whose checkpoints hold the adapters only: the frozen base is read again).
-        self.model = build_model(cfg, self.model_args, self.meshes, self.device,
-                                 load_hf=resume_step is None or cfg.lora.enable,
+        self.model = build_model(cfg, self.model_args, self.meshes, self.device, self.lora,
+                                 load_hf=resume_step is None or self.lora is not None,
                                  grad_accum_steps=self.layout.grad_accum_steps)
-        self.train_mtp = trains_mtp(cfg, self.model)
+        self.train_mtp = trains_mtp(cfg, self.model, self.lora)
         aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
                          else cfg.training.aux_loss_coef)
         self.objective = Objective(aux_loss_coef, cfg.training.mtp_loss_coef, self.dims.world_size,
@@ -102,14 +99,9 @@ class Trainer:
 
         self.model_inputs = ModelInputs(self.model, self.device, cfg.training.loss_chunk_tokens)  # harness/batch.py
         dp_rank = self.meshes.dp_rank if self.meshes is not None else 0  # CP ranks of one DP rank: same rows
-        t = cfg.training
-        cache_dir = t.dataset_cache_dir or os.path.join(cfg.job.dump_folder, "dataset_cache")
-        self.dataloader = build_dataloader(
-            t.dataset_source, t.dataset_path, t.dataset_text_field, self.tokenizer, t.seq_len, t.local_batch_size,
-            dp_rank=dp_rank, dp_world_size=self.dims.dp, cache_dir=cache_dir, cache_verify=t.dataset_cache_verify,
-            data_format=t.dataset_content, chat=chat_options(cfg))
-        self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, cache_dir, self.device,
-                                    self.model_inputs, mtp=self.model.mtp is not None)
+        self.dataloader = build_data_loader(cfg, "training", self.tokenizer, dp_rank, self.dims.dp)
+        self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, self.device, self.model_inputs,
+                                    mtp=self.model.mtp is not None)
                           if cfg.validation.enable else None)
         self.step, line = 0, None
         self.checkpointer = None
@@ -120,7 +112,8 @@ class Trainer:
                 keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
                 model_config=args_for_hf.to_hf_config(ckpt.export_dtype),
                 hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files),
-                run_config=with_absolute_paths(cfg).to_dict(), lora=self._lora_record())
+                run_config=with_absolute_paths(cfg).to_dict(),
+                lora=self.lora.record(self.model_args, self.device.type) if self.lora is not None else None)
         if resume_step is not None:
             train_state = self.checkpointer.resume(resume_step, restore_data=not ckpt.restart_data)
             self.step, line = train_state["step"], train_state.get("run_id") or train_state.get("tb_run")
@@ -131,22 +124,20 @@ class Trainer:
         # The dump folder's outputs become this line's: another line's are set aside (harness/run_outputs.py)
         self.run_id = self._claim_outputs(line, resumed=resume_step is not None)
         if cfg.checkpoint.export_hf_at_end:  # an export it may not write is refused now, not after the training
-            check_hf_export_folder(self.export_folder)
-            if cfg.lora.enable:
-                check_hf_export_folder(adapter_folder(self.export_folder))
+            for folder in self._export_folders(self.export_folder):
+                check_hf_export_folder(folder)
         self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, self.run_id, enabled=self.rank == 0,
                                      job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None,
                                      wandb_config=cfg.to_dict() if cfg.metrics.enable_wandb else None)
         self.clock = DeviceClock(self.device)
+        t = cfg.training
         tokens_per_step = t.local_batch_size * t.seq_len * self.layout.grad_accum_steps // self.dims.cp
-        adapters = (active_adapter_params(self.model, self.model_args.num_experts_per_tok, self.train_mtp)
-                    if cfg.lora.enable else None)
+        adapters = (self.lora.adapter_flops_params(self.model, self.model_args.num_experts_per_tok, self.train_mtp)
+                    if self.lora is not None else None)
         self.steps = StepLog(self.metrics, self.clock, self.device, tokens_per_step,  # harness/step_metrics.py
                              lambda keys: training_flops_per_token(self.model_args, keys, self.train_mtp, adapters),
-                             peak_flops(self.device))
-        self.reported = ("loss", "aux_loss", "grad_norm", "expert_load", *(("mtp_loss",) if self.train_mtp else ()),
-                         *(("ep_rank_load",) if self.dims.ep > 1 else ()))
+                             peak_flops(self.device), mtp=self.train_mtp, ep=self.dims.ep)
         self.started = time.perf_counter()
         self.exporting = False  # whether the end-of-run export is being written (what_is_saved)
         self.export_unit: ExportUnit | None = None  # the export's folders being written, then published
@@ -211,27 +202,19 @@ class Trainer:
         """One optimizer step over the global batch (this data-parallel rank's micro-batches of host rows). Returns its
         values unread (`.read()`: the global loss, balance loss, grad norm, routing loads; TrainingDivergedError if
         they are not finite): reading them is a host sync, which the loop makes only when it logs or saves."""
-        return StepValues(self.step, self._step(microbatches), self.clock, self.reported)
+        return self.steps.values(self.step, *self._step(microbatches))
 
-    def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step; returns (loss, aux_loss, mtp_loss, grad_norm, expert_load, ep_rank_load) on the
-        device."""
+    def _step(self, microbatches: list[dict[str, torch.Tensor]]) -> tuple[StepLosses, torch.Tensor]:
+        """One optimizer step; returns its losses and the gradient norm before clipping, on the device."""
         self.optimizer.zero_grad(set_to_none=True)
         inputs = [self.model_inputs(mb, mtp=self.train_mtp) for mb in microbatches]
-        losses, step_counts = self.objective.minimise(self.model, inputs)  # harness/objective.py
-        if self.dims.ep > 1:
-            scale_expert_gradients(self.model, self.dims.ep)
-        max_norm = self.cfg.training.max_norm
-        # FastAdam (the optimizer on CUDA) applies the clipping as it reads the gradients: no pass of its own
-        scales = isinstance(self.optimizer, FastAdam)
-        holders = gradient_holders(self.model)  # one GPU: the bf16 weight copies may hold gradients
-        grad_norm = clip_grad_norm_(holders, math.inf if max_norm is None else max_norm,
-                                    scaling_optimizer=self.optimizer if scales else None)
+        losses = self.objective.minimise(self.model, inputs)  # harness/objective.py
+        max_norm = math.inf if self.cfg.training.max_norm is None else self.cfg.training.max_norm
+        grad_norm = self.model.gradients.finish(self.model, max_norm, self.optimizer)  # the parallelize function's
         # A non-finite step still updates the weights here; reading its values stops the run before anything is saved.
         self.optimizer.step()
         self.lr_scheduler.step()
-        loads = routing_loads(step_counts, self.dims.ep).to(losses.dtype)
-        return torch.cat((losses, grad_norm.reshape(1).to(losses.dtype), loads))
+        return losses, grad_norm
 
     def train(self) -> dict[str, float]:
         """The loop (docs/design.md, "A training step"): a step, its metrics when due, validation and a save when due,
@@ -313,26 +296,23 @@ class Trainer:
         if self.metrics.tb_dir is not None:
             outputs.append(os.path.relpath(self.metrics.tb_dir, folder) + "/")
         if cfg.checkpoint.export_hf_at_end:
-            outputs += ["hf/", "hf-adapter/"] if cfg.lora.enable else ["hf/"]
+            outputs += [os.path.relpath(f, folder) + "/" for f in self._export_folders(self.export_folder)]
         resumed = f" (resumed at step {self.first_step}, now {self.step})" if self.first_step else ""
         work = (f"{steps} step{'s' if steps != 1 else ''}{resumed}, {tokens:,} tokens in {time.perf_counter() - self.started:.0f} s, final loss "
                 f"{self.steps.last['loss']:.4f}" if steps else
                 f"nothing to train: step {self.step} of training.steps {cfg.training.steps} already done")
         print(f"[{cfg.job.name}] done: {work}; outputs in {folder}: {', '.join(outputs)}", flush=True)
 
-    def _lora_record(self) -> dict | None:
-        """A LoRA run's settings and the digest of its base, saved with its checkpoints (lora_base.py)."""
-        lora = lora_args(self.cfg)
-        return None if lora is None else lora_record(lora, self.cfg.checkpoint.initial_load_hf,
-                                                     self.cfg.training.seed, self.model_args, self.device.type)
-
     @property
     def export_folder(self) -> str:
-        return os.path.join(self.cfg.job.dump_folder, "hf")
+        return os.path.join(self.cfg.job.dump_folder, EXPORT)
+
+    def _export_folders(self, folder: str) -> list[str]:
+        """The folders an export to `folder` writes: it, and a LoRA run's PEFT adapter beside it."""
+        return self.lora.export_folders(folder) if self.lora is not None else [folder]
 
     def _export_names(self, folder: str) -> str:
-        """The export's folder, and its PEFT adapter's for a LoRA run, in a few words."""
-        return f"{folder} and {adapter_folder(folder)}" if self.cfg.lora.enable else folder
+        return " and ".join(self._export_folders(folder))
 
     def export_hf(self) -> None:
         """Write the trained weights as a Hugging Face folder at <dump_folder>/hf, and a LoRA run's PEFT adapter at
@@ -363,13 +343,12 @@ class Trainer:
     def _export_to(self, folder: str) -> str:
         """The export (and a LoRA run's adapter) written to `folder` as one unit; returns what was written."""
         self.export_unit = unit = ExportUnit()
+        dtype = DTYPES[self.cfg.checkpoint.export_dtype]
         try:
-            export_hf(self.model, self.model_args, folder, DTYPES[self.cfg.checkpoint.export_dtype],
-                      tokenizer=self.tokenizer, unit=unit)
-            lora = lora_args(self.cfg)
-            if lora is not None:  # the merged model above; the adapters beside it, as PEFT loads them
-                export_peft_adapter(self.model, self.model_args, lora, adapter_folder(folder),
-                                    base=self.cfg.checkpoint.initial_load_hf, unit=unit)
+            if self.lora is not None:  # merged, and the PEFT adapter beside it
+                self.lora.export(self.model, self.model_args, folder, dtype, self.tokenizer, unit)
+            else:
+                export_hf(self.model, self.model_args, folder, dtype, tokenizer=self.tokenizer, unit=unit)
             unit.publish()
         except BaseException:
             unit.discard()
@@ -380,7 +359,7 @@ class Trainer:
         """A new name beside the export folder for this step's export (and its adapter's): <hf>-step-N[.k]."""
         base, n = f"{os.path.abspath(self.export_folder)}-step-{self.step}", 0
         folder = base
-        while os.path.lexists(folder) or os.path.lexists(adapter_folder(folder)):
+        while any(os.path.lexists(f) for f in self._export_folders(folder)):
             n += 1
             folder = f"{base}.{n}"
         return folder
@@ -388,7 +367,7 @@ class Trainer:
     def what_is_saved(self) -> str:
         """What of this run is on disk, in a few words, for the line of a run stopped before its end (Ctrl-C twice)
         or whose export failed."""
-        names, pair = self._export_names(self.export_folder), self.cfg.lora.enable
+        names, pair = self._export_names(self.export_folder), len(self._export_folders(self.export_folder)) > 1
         if self.export_unit is not None and self.export_unit.published:
             export = f"the export is written, {names}, {'both ' if pair else ''}of step {self.step}; "
         elif self.exporting:

@@ -29,11 +29,10 @@ from parallel.context_parallel import shard_zigzag
 from parallel.parallelize import reshard_fsdp
 
 from .config import JobConfig
-from .data.chat import chat_options
 from .data.errors import DataError
 from .data.cached import TokenCacheLoader
-from .data.loader import build_dataloader
 from .data.rows import IGNORE_INDEX
+from .data_setup import build_data_loader
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +50,15 @@ def _another_source(cfg: JobConfig) -> str:
 
 
 class Validator:
-    def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_world_size: int, cache_dir: str,
-                 device: torch.device, model_inputs, mtp: bool = False):
+    def __init__(self, cfg: JobConfig, tokenizer, dp_rank: int, dp_world_size: int, device: torch.device,
+                 model_inputs, mtp: bool = False):
         """`model_inputs`: the model's keyword arguments (input_ids, labels, layout, ...) for a batch of host rows,
         this rank's share of them (its zigzag chunks under context parallelism); `Trainer.model_inputs`. `mtp`: the
         model has MTP layers (`val_mtp_loss`)."""
         v, t = cfg.validation, cfg.training
         self.steps = None if v.steps == -1 else v.steps
         self.device, self.model_inputs, self.mtp = device, model_inputs, mtp
-        self.loader = build_dataloader(v.dataset_source, v.dataset_path, v.dataset_text_field, tokenizer, t.seq_len,
-                                       t.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                       cache_dir=cache_dir, infinite=False, cache_verify=t.dataset_cache_verify,
-                                       data_format=t.dataset_content, chat=chat_options(cfg))  # training's chat keys
+        self.loader = build_data_loader(cfg, "validation", tokenizer, dp_rank, dp_world_size, infinite=False)
         self.start = self.loader.state_dict()  # every validation rewinds to here: the same rows each time
         self.what = f"{v.dataset_path} (validation.steps = {v.steps})"
         if (dist.get_rank() if dist.is_initialized() else 0) == 0:

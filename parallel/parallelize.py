@@ -23,6 +23,7 @@ from .compile import compiled_runners
 from .context_parallel import CPContext
 from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
 from .one_device_precision import OneDevicePrecision
+from .step_gradients import StepGradients
 from .replicated_params import ReplicatedParams
 from .vocab_parallel import shard_vocab_rows
 
@@ -200,7 +201,7 @@ def parallelize_qwen35_moe(model: nn.Module, mesh: DeviceMesh | None, *, param_d
     gradient too with `grads_in_copies` (one backward a step). `train_mtp`: the forward runs the MTP
     layers (their FSDP unit is gathered ahead, after the last block's). Returns the model, parallelized in place."""
     sharded = mesh is not None and mesh.size() > 1
-    hooks = ParallelHooks(sharding=DTensorSharding())
+    hooks = ParallelHooks(sharding=DTensorSharding(), gradients=StepGradients(ep_mesh.size() if ep_mesh else 1))
     if cp_mesh is not None:
         hooks.context_parallel = CPContext(cp_mesh)
     if ep_mesh is not None:

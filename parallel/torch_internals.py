@@ -27,6 +27,9 @@ release changes the behaviour relied on.
    `DeviceMesh._flatten`), which the root mesh then slices by its name beside its other dimensions (torch warns that
    it will deprecate that slicing): the FSDP mesh and HSDP's (dp_replicate, dp_shard_cp), and the EP group
    (parallel_dims.py).
+10. An LR scheduler's `get_last_lr()` returns its `_last_lr`, which only its `step()` sets (`set_last_lr`): a
+   relaunch that sets the lr in force by hand sets it too, so the first step after it logs that lr
+   (harness/optim/relaunch.py).
 """
 
 from __future__ import annotations
@@ -138,3 +141,9 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     root mesh then also slices by `name`."""
     _guard("flatten_mesh (parallel/torch_internals.py)")
     return mesh._flatten(name)
+
+
+def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float]) -> None:
+    """What the scheduler's `get_last_lr()` returns until its next `step()`."""
+    _guard("set_last_lr (parallel/torch_internals.py)")
+    scheduler._last_lr = list(lrs)

@@ -50,12 +50,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from models.qwen35_moe.init import canonical_name
+from models.qwen35_moe.hooks import canonical_name
 
 from ..data.errors import DataError
 from ..config.resume import data_changes
 from .errors import CheckpointError, agreed, first_cause, one_line, rank_world
-from .lora_base import lora_problem
+from ..lora.base import lora_problem
 from .integrity import ALGORITHM, COMPLETE, digest_files, hash_threads, rank_0_files, rank_data_files, write_complete
 from .plain_state import from_bytes, to_bytes
 from .step_folders import gib, is_complete, set_aside, size_of, step_dirs, step_folders
@@ -107,7 +107,7 @@ class Checkpointer:
                  run_config: dict | None = None, lora: dict | None = None):
         """`hf_files(folder)` writes config.json and the tokenizer beside each checkpoint. `run_config`: the run's
         config as a plain dict, saved in the train state and returned by `resume` (None from checkpoints without).
-        `lora`: a LoRA run's adapters and base (lora_base.lora_record): its checkpoints then hold the trained
+        `lora`: a LoRA run's adapters and base (harness/lora/base.py lora_record): its checkpoints then hold the trained
         parameters only, and resume only onto the same base."""
         self.folder = Path(folder)
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader

@@ -4,17 +4,18 @@
   every rank); rank 0 alone reads the tensors, one native tensor at a time (per-expert checkpoints fused one
   tensor at a time), and scatters it: each rank keeps its shard. Peak host memory per rank: about one tensor,
   whatever the checkpoint's size or the number of ranks.
-- `export_hf` / `write_hf_folder`: the official sharded layout (model-0000i-of-0000n.safetensors + index,
-  shards of at most 5 GiB planned from names and sizes alone). Shard i is written by rank i % W: for each of
+- `export_hf` / `write_native_export` / `write_hf_folder`: the official sharded layout (model-0000i-of-0000n
+  .safetensors + index, shards of at most 5 GiB planned from names and sizes alone). Shard i is written by rank i % W: for each of
   its tensors every rank takes part in gathering the full native tensor (once, however many HF tensors are cut
   from it: `ExportTensors`), the owner streams it into the file. Peak memory per rank: beside the model, at most
   two gathered tensors (an MTP layer's experts) on the device, one HF tensor on the host. Rank 0 then writes
   config.json, generation_config.json and the tokenizer, the index last, and renames the folder into place. The
   offline converter (harness/convert.py) writes through the same functions from a DCP checkpoint, so both give the
-  same files. A LoRA model's adapted weights are written merged (lora_merge.py: W + s * B A, each summed in fp32 as
-  it is gathered, with its A and B): beside the held tensors, one weight's fp32 copy at a time.
+  same files. A LoRA model is written by its LoRA part (harness/lora/run.py) through `write_native_export`, each
+  adapted weight merged as it is read.
 - `write_export_folder`: the folder machinery under write_hf_folder (temporary folder, the ranks' shares, agreed
-  failures, publishing), shared with the PEFT adapter export (peft_adapter.py).
+  failures, publishing), shared with the PEFT adapter export (harness/lora/peft.py); `ExportUnit`: folders
+  published together.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ from models.qwen35_moe.hf_checkpoint import (
     write_hf_metadata,
     write_shard,
 )
-from models.qwen35_moe.init import canonical_name
+from models.qwen35_moe.hooks import canonical_name
+from models.qwen35_moe.lora_targets import is_adapter_key
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
 from .errors import CheckpointError, ExportRefused, agreed
-from .lora_merge import is_adapter_key, merged_reads, model_merges
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     if problem is not None:
         raise CheckpointError(problem, every_rank=True)
     params = {canonical_name(name): p for name, p in model.named_parameters()
-              if not is_adapter_key(name)}  # LoRA's adapters: not the base's (models/qwen35_moe/lora.py)
+              if not is_adapter_key(name)}  # LoRA's adapters: not the base's (models/qwen35_moe/lora_targets.py)
     for key, param in params.items():
         local = param.to_local() if isinstance(param, DTensor) else param
         if rank == 0:
@@ -280,30 +281,42 @@ def _signals_held():
             signal.raise_signal(signum)
 
 
-def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,
-              max_shard_bytes: int = MAX_SHARD_BYTES, unit: ExportUnit | None = None) -> None:
-    """Write the (possibly sharded) model as a Hugging Face folder, every rank writing its share of the shards.
-
-    With `tokenizer` (the one the run trained with), the folder also holds its tokenizer files, config.json
-    and generation_config.json carry its BOS / EOS ids, so `AutoTokenizer` and `generate` work on it as it is.
-    A model with LoRA adapters is written merged: each adapted weight as W + s * B A (lora_merge.py), in the same
-    layout, names and dtypes as a plain model's; the adapters themselves are not written (peft_adapter.py writes
-    them as PEFT loads them)."""
-    started = time.perf_counter()
+def model_native_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]:
+    """The native tensors of a (possibly sharded) model: {key: shape} and the reader of one, whole (under FSDP its
+    full_tensor(), a collective every rank joins)."""
     state = {canonical_name(k): v for k, v in model.state_dict().items()}
 
     def gathered(key: str) -> torch.Tensor:
         tensor = state[key]
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
-    read, merges = gathered, model_merges(model, state)
-    if merges:
-        read = merged_reads(gathered, merges, dtype)
-        logger.info("LoRA: %d adapted weights written merged (W + s * B A, summed in fp32)", len(merges))
-    shapes = {k: tuple(v.shape) for k, v in state.items() if not is_adapter_key(k)}
+    return {k: tuple(v.shape) for k, v in state.items()}, gathered
+
+
+def write_native_export(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
+                        shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor], tokenizer=None,
+                        max_shard_bytes: int = MAX_SHARD_BYTES, unit: ExportUnit | None = None,
+                        extra_files: Callable[[Path], None] | None = None, source: str | Path | None = None) -> None:
+    """Write native tensors (`shapes`, each read whole by `read`, once, in the same order on every rank) as a Hugging
+    Face folder in the official layout (write_hf_folder). With `tokenizer` (the one the run trained with), the folder
+    also holds its tokenizer files, and config.json and generation_config.json carry its BOS / EOS ids, so
+    `AutoTokenizer` and `generate` work on it as it is; `extra_files` writes other files instead (the converter's)."""
     tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), shapes, dtype, read)
-    args, extra_files = with_tokenizer(args, tokenizer)
-    write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes, unit=unit)
+    if tokenizer is not None:
+        args, extra_files = with_tokenizer(args, tokenizer)
+    write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes, source, unit)
+
+
+def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,
+              max_shard_bytes: int = MAX_SHARD_BYTES, unit: ExportUnit | None = None) -> None:
+    """Write the (possibly sharded) model as a Hugging Face folder, every rank writing its share of the shards
+    (write_native_export). A model with LoRA adapters is exported by its LoRA part instead (harness/lora/run.py:
+    merged, and a PEFT adapter beside it)."""
+    started = time.perf_counter()
+    shapes, read = model_native_tensors(model)
+    if any(map(is_adapter_key, shapes)):
+        raise ValueError("a model with LoRA adapters is exported by harness/lora (LoraRun.export), merged")
+    write_native_export(folder, args, dtype, shapes, read, tokenizer, max_shard_bytes, unit)
     if unit is None:  # else the unit's owner says so once the unit is published
         logger.info("exported Hugging Face checkpoint to %s in %.1f s", os.path.abspath(folder),
                     time.perf_counter() - started)

@@ -1,7 +1,7 @@
 """A resumed run runs with the relaunch's config: what the relaunch changes applies on top of the loaded state.
 
 Loading a checkpoint restores the optimizer's parameter groups (lr, betas, eps, weight decay, Adam vs AdamW) and
-the schedule's peak lr as they were saved; `apply_optimizer_settings` then sets the relaunch's values on them, so
+the schedule's peak lr as they were saved; harness/optim/relaunch.py then sets the relaunch's values on them, so
 that `--optimizer.lr 1e-5` after a loss spike lowers the lr, as `config.toml` says it does. The schedule's shape
 (warmup, decay, training.steps) is the relaunch's already: it is built from the config, and the checkpoint holds
 only its step count. Each change is one log line.
@@ -19,14 +19,9 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
-
 from ..optim.lr_schedule import lr_factor
 from .renamed import with_current_names
 from .schema import INPUT_PATH_KEYS, OUTPUT_PATH_KEYS, JobConfig
-
-if TYPE_CHECKING:
-    import torch
 
 # What the saved data position refers to (keys of JobConfig.to_dict()).
 DATA_KEYS = ("training.dataset_source", "training.dataset_path", "training.dataset_text_field", "training.seq_len",
@@ -93,36 +88,3 @@ def _schedule_change(saved: dict, now: dict, step: int) -> list[str]:
     way = "up" if after > before else "down"
     return [f"the LR schedule is this launch's: step {step + 1} runs at lr {after:.3g}, {way} from {before:.3g} "
             "under the checkpoint's"]
-
-
-def apply_optimizer_settings(optimizer: torch.optim.Optimizer, lr_scheduler, cfg: JobConfig) -> list[str]:
-    """Set the relaunch's optimizer settings on a loaded optimizer and LR schedule (built by harness/optim);
-    returns one `optimizer.<key> old -> new` line per value that changed."""
-    o = cfg.optimizer
-    # Group 0 holds the matrices (decayed), group 1 the 1-D parameters (never decayed): optim/optimizer.py.
-    wanted = [{"betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay if i == 0 else 0.0,
-               "decoupled_weight_decay": o.name == "AdamW"} for i in range(len(optimizer.param_groups))]
-    changed: dict[str, tuple] = {}
-    for group, want in zip(optimizer.param_groups, wanted):
-        for key, value in want.items():
-            old = tuple(group[key]) if key == "betas" else group.get(key)
-            if old != value and key not in changed:
-                changed[key] = (old, value)
-            group[key] = value
-    for i, group in enumerate(optimizer.param_groups):
-        if lr_scheduler.base_lrs[i] != o.lr and "lr" not in changed:
-            changed["lr"] = (lr_scheduler.base_lrs[i], o.lr)
-        lr_scheduler.base_lrs[i] = group["initial_lr"] = o.lr
-        # The lr in force for the next update under the relaunch's schedule (lr_schedule.build_lr_scheduler).
-        group["lr"] = o.lr * lr_scheduler.lr_lambdas[i](lr_scheduler.last_epoch)
-    lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-    lines = []
-    for key, (old, new) in changed.items():
-        if key == "decoupled_weight_decay":
-            lines.append(f"optimizer.name {'AdamW' if old else 'Adam'} -> {o.name}")
-        elif key == "weight_decay":
-            lines.append(f"optimizer.weight_decay {old} -> {new}")
-        else:
-            lines.append(f"optimizer.{key} {list(old) if key == 'betas' else old} -> "
-                         f"{list(new) if key == 'betas' else new}")
-    return lines

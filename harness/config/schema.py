@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_type_hints
 
+from models.qwen35_moe.lora_targets import DEFAULT_TARGETS
+
 @dataclass
 class Job:
     name: str = "qwen35_moe"  # run name: prefixes every log line and console metrics line
@@ -217,15 +219,6 @@ class Debug:
     moe_force_load_balance: bool = False
 
 
-# The modules LoRA can adapt, by their last name (models/qwen35_moe/lora.py TARGETS / DEFAULT_TARGETS, which a test
-# holds equal to these): the gated attention's, Gated DeltaNet's, the shared expert's projections, its gate, the
-# routed experts, the router, the MTP layer's input projection.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
-                "out_proj", "shared_expert", "shared_expert_gate", "router", "fc", "experts")
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
-                        "out_proj", "shared_expert", "experts")
-
-
 @dataclass
 class Lora:
     # LoRA fine-tuning (models/qwen35_moe/lora.py): the model's weights frozen (held in mixed_precision_param on GPU:
@@ -239,7 +232,7 @@ class Lora:
     # Any of: q_proj k_proj v_proj o_proj (gated attention), in_proj_qkv in_proj_z in_proj_a in_proj_b out_proj
     # (Gated DeltaNet), shared_expert, shared_expert_gate, experts (routed, per expert), router, fc (MTP). Never the
     # embedding or the lm_head.
-    targets: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     # The MTP layers: "frozen" (carried from the initial weights to the export, not run) or "lora" (adapted like the
     # main layers and trained with weight training.mtp_loss_coef)
     mtp: Literal["frozen", "lora"] = "frozen"

@@ -24,7 +24,10 @@ from .errors import ConfigError
 from ..gpus import processes_per_node, visible_gpus
 from ..memory_check import launch_memory_problem
 from .run_requirements import model_args_of, run_requirement_problems
-from .schema import ALL_KEYS, LORA_TARGETS, JobConfig, get_value
+from models.qwen35_moe.lora_targets import TARGETS as LORA_TARGETS
+
+from ..lora.settings import lora_config_problems
+from .schema import ALL_KEYS, JobConfig, get_value
 
 _DEGREE_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
                 "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree")
@@ -170,10 +173,7 @@ def _between_keys_problems(cfg: JobConfig, unusable: frozenset[str]) -> list[str
             problems.append(f"lr_scheduler.warmup_steps = {warmup} runs into the decay phase, which starts after step "
                             f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps "
                             f"or decay_ratio")
-    lora = cfg.lora
-    if lora.enable and lora.mtp == "lora" and cfg.training.mtp_loss_coef == 0 \
-            and "training.mtp_loss_coef" not in unusable:
-        problems.append("lora.mtp = \"lora\" trains the MTP layers' adapters, which needs training.mtp_loss_coef > 0")
+    problems += lora_config_problems(cfg, unusable)
     p = cfg.profiling
     if (p.enable_profiling or p.enable_memory_snapshot) and "profiling.profile_freq" not in unusable \
             and p.profile_freq < 2:

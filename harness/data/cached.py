@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from . import token_cache
-from .chat import ChatEncoder, ChatOptions, chat_identity
+from .chat import ChatOptions, chat_identity
+from .encoders import ChatEncoder
 from .chat_packing import cache_layout, layout_summary, pad_id_of
 from .errors import DataError
 from .ranks import on_every_rank, rank_and_world

@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .cached import TokenCacheLoader, cached_rows
-from .chat import ChatEncoder, ChatOptions
+from .chat import ChatOptions
+from .encoders import ChatEncoder
 from .errors import DataError
 from .prefetch import PrefetchingLoader
 from .rows import IGNORE_INDEX, check_loader_args

@@ -18,13 +18,13 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from .chat import ChatEncoder, ChatOptions
+from .chat import ChatOptions
 from .chat_packing import pad_id_of
 from .errors import DataError
 from .rows import chat_row, check_loader_args, packed_row, stack_rows
 from .saved_position import STREAMED_CHAT, STREAMED_TEXT, check_saved_position
 from .sources import Row, Skipped, hf_documents
-from .token_cache import TextEncoder
+from .encoders import ChatEncoder, TextEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -64,8 +64,8 @@ from typing import Callable, Iterable, Literal, Sequence, TypeVar
 
 import numpy as np
 
+from .encoders import TextEncoder
 from .errors import DataError
-from .long_text import encode_text
 from .ranks import all_gather, on_every_rank, rank_and_world
 from .sources import Skipped
 
@@ -148,37 +148,6 @@ def _meta_checksum(meta: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Encoders: a document to its token ids (and target flags)
-
-
-class TextEncoder:
-    """Text documents: [bos] + tokens + [eos], each special only when the tokenizer has one; no targets (every
-    token is one). A long document is tokenized in pieces (harness/data/long_text.py) and its ids come as an int64
-    array, a short one's as a list. harness/data/chat.py's ChatEncoder is the other kind: rows to ids and target
-    flags."""
-
-    with_targets = False
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-        self.eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-
-    def __call__(self, text: str) -> tuple[list[int] | np.ndarray, None]:
-        ids = encode_text(self.tokenizer, text)
-        if isinstance(ids, np.ndarray):
-            return np.concatenate([np.asarray(self.bos, dtype=np.int64), ids,
-                                   np.asarray(self.eos, dtype=np.int64)]), None
-        return self.bos + ids + self.eos, None
-
-    def start_unit(self) -> None:
-        """Called before each work unit is read."""
-
-    def finish(self) -> None:
-        """Called once a rank has encoded all its units: raise what was found along the way (nothing, here)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Open or build
 
 
@@ -197,7 +166,7 @@ def load_or_build(cache_dir: str | Path, source: dict, units: Sequence, read_uni
 
     `units` are the source's work units in document order; `read_unit(unit)` yields the documents starting in
     one unit (str or a chat Row, or Skipped for a row without text). `encoder` turns one into (ids, target flags or
-    None), or Skipped (a row it cannot use): TextEncoder(tokenizer) by default, harness/data/chat.py's ChatEncoder
+    None), or Skipped (a row it cannot use): harness/data/encoders.py's TextEncoder(tokenizer) by default, its ChatEncoder
     for chat rows. Collective when torch.distributed is initialized (see the module docstring)."""
     encoder = encoder or TextEncoder(tokenizer)
     if verify not in ("quick", "full"):

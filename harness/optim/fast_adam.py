@@ -34,6 +34,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FastAdam(torch.optim.Adam):
     """torch.optim.Adam (decoupled_weight_decay=True: AdamW); no amsgrad, maximize or complex parameters."""
 
+    applies_grad_scale = True  # divides every gradient by `grad_scale` as it reads it (the gradient clipping's)
+
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
                  decoupled_weight_decay: bool = True, weight_copies=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False,

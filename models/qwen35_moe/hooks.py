@@ -11,6 +11,11 @@ function, parallel/parallelize.py).
 | `runner: BlockRunner` | each DecoderLayer | `run_block`: plain | compile / AC (compile.py, activation_checkpointing.py) |
 | `mixed_precision: MixedPrecision` | the model | None: the weights' dtype | `OneDevicePrecision` (one_device_precision.py) |
 | `weight_reader: WeightReader`, from it | each Linear, RoutedExperts | None: cast where used | `KeptCopies` (one_device_precision.py) |
+| `gradients: GradientStep` | the model | None: no training step | `StepGradients` (step_gradients.py) |
+
+The wrappers parallelism puts around a block (activation checkpointing, compile, FSDP) insert a level into the names
+of its parameters, never into state-dict keys: `canonical_name` takes them out, for whatever names parameters by
+their key (initial values, checkpoints, exports).
 
 One more extension point is not parallelism's: `adapter`, declared on each Linear, TopKRouter and RoutedExperts
 (None: the plain module), where LoRA puts its trained low-rank update beside a frozen weight (lora.py).
@@ -29,6 +34,16 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .documents import DocumentLayout
+
+# The levels those wrappers insert into parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """The state-dict key of a parameter name (activation checkpointing and compile wrappers removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 class ContextParallel(Protocol):
@@ -118,6 +133,17 @@ class _Unsharded:
 UNSHARDED: ParamSharding = _Unsharded()
 
 
+class GradientStep(Protocol):
+    """What a training step does with the model's gradients once its backward is done, before the optimizer reads
+    them: parallelism's own scaling (expert parallelism's), then the clipping of the gradients it placed (weight
+    copies included) to their global norm."""
+
+    def finish(self, model: nn.Module, max_norm: float, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Scale and clip the gradients (max_norm inf: none clipped); returns their norm before clipping, on the
+        device. `optimizer` may apply the clipping itself as it reads them."""
+        ...
+
+
 @dataclass
 class ParallelHooks:
     """Everything the parallelize function sets in the model, in one call (`Qwen35MoeModel.set_parallel_hooks`).
@@ -132,3 +158,4 @@ class ParallelHooks:
     # (compiled, checkpointed).
     block_runners: list[BlockRunner] | None = None
     mixed_precision: MixedPrecision | None = None
+    gradients: GradientStep | None = None

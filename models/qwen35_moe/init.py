@@ -27,17 +27,7 @@ import math
 import torch
 from torch import nn
 
-from .hooks import UNSHARDED, ParamSharding
-
-# Wrappers that insert a level into parameter names but not into state-dict keys.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    """The state-dict key of a parameter name (activation checkpointing and compile wrappers removed)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+from .hooks import UNSHARDED, ParamSharding, canonical_name
 
 
 def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:

@@ -3,51 +3,28 @@
 A targeted projection W (out, in) computes W x + s * B (A x), s = alpha / rank, A (rank, in) drawn at random and
 B (out, rank) zero, so training starts from the base model exactly. Only A and B train (fp32 master weights and
 AdamW state); the base weights keep no gradient, no optimizer state and no fp32 copy: the trainer holds them in the
-compute dtype (harness/model_setup.py).
+compute dtype (`hold_frozen_in`, which the trainer's LoRA part calls: harness/lora/run.py).
 
 The adapters enter the model through one declared extension point, the `adapter` of each Linear, TopKRouter and
 RoutedExperts (None, the default, leaves the model plain; hooks.py). The routed experts get one pair per expert
 on the fused gate/up projection and one on the down projection, run as grouped GEMMs beside the base's (moe.py),
 never as a loop over experts on the GPU.
 
-Targets name modules by their last name, as PEFT's `target_modules` does: the gated attention's q/k/v/o_proj,
-Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_a / in_proj_b / out_proj, the shared expert's projections
-("shared_expert"), its gate ("shared_expert_gate"), the routed experts ("experts"), the router ("router") and the
-MTP layer's input projection ("fc"). The embedding and the lm_head are never adapted (train them fully instead).
+Which modules can be targeted, and how the adapters' keys are named: lora_targets.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .init import canonical_name
+from .args import Qwen35MoeArgs
+from .hooks import canonical_name
 from .linear import Linear
+from .lora_targets import DENSE_TARGETS, LoraArgs, is_adapter_key
+from .model import Qwen35MoeModel
 from .moe import RoutedExperts, TopKRouter
-
-DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
-                 "out_proj", "shared_expert", "shared_expert_gate", "router", "fc")
-TARGETS = (*DENSE_TARGETS, "experts")
-# Every projection of the blocks but the routing ones (router and shared-expert gate: a rank-r update of a
-# one-row or E-row matrix adds nothing a full update would not, and they steer the experts' load).
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
-                   "out_proj", "shared_expert", "experts")
-
-
-@dataclass(frozen=True)
-class LoraArgs:
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    mtp: bool = False  # adapters on the MTP layers too (else they stay frozen as loaded)
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 class LowRank(nn.Module):
@@ -167,3 +144,11 @@ def active_adapter_params(model: nn.Module, top_k: int, mtp: bool) -> int:
         params = sum(p.numel() for p in module.adapter.parameters())
         total += params * top_k // module.num_experts if isinstance(module.adapter, ExpertLowRank) else params
     return total
+
+
+def adapter_shapes(args: Qwen35MoeArgs, lora: LoraArgs) -> dict[str, tuple[int, ...]]:
+    """Every adapter key (with its shape) of a model of `args` with the adapters `lora` (built on the meta device)."""
+    with torch.device("meta"):
+        model = Qwen35MoeModel(args)
+        add_adapters(model, lora)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if is_adapter_key(k)}

@@ -24,7 +24,8 @@ from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, document_layout
 from .gated_deltanet import CPAwareGatedDeltaNet
-from .hooks import UNSHARDED, BlockRunner, ContextParallel, MixedPrecision, ParallelHooks, ParamSharding, VocabParallel
+from .hooks import (UNSHARDED, BlockRunner, ContextParallel, GradientStep, MixedPrecision, ParallelHooks, ParamSharding,
+                    VocabParallel)
 from .init import init_weights
 from .kernels.linear_cross_entropy import CHUNK_TOKENS, linear_cross_entropy_sum
 from .linear import Linear
@@ -173,11 +174,14 @@ class Qwen35MoeModel(nn.Module):
         # The blocks compute in its dtype while the weights keep theirs (one GPU): the embedding's rows are cast to
         # it, every module then follows its input (linear.py). None: the weights' dtype.
         self.mixed_precision: MixedPrecision | None = None
+        # What a training step does with the gradients after the backward (set by the parallelize function).
+        self.gradients: GradientStep | None = None
 
     def set_parallel_hooks(self, hooks: ParallelHooks) -> None:
         """Set every extension point of the model and its modules from `hooks` (hooks.py), in one call."""
         self.context_parallel, self.sharding = hooks.context_parallel, hooks.sharding
         self.mixed_precision = precision = hooks.mixed_precision
+        self.gradients = hooks.gradients
         self.embed_tokens.vocab_parallel = self.lm_head.vocab_parallel = hooks.vocab_parallel
         for index, layer in enumerate(self.blocks()):
             layer.mixer.set_parallel_hooks(hooks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .args import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35MoeArgs
+from .lora_targets import LoraArgs
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,10 @@ def parameter_counts(args: Qwen35MoeArgs) -> ParameterCounts:
     return ParameterCounts(total, experts)
 
 
-def adapter_count(args: Qwen35MoeArgs, rank: int, targets: tuple[str, ...], mtp: bool) -> int:
-    """LoRA's adapter parameters of `rank` on `targets` (models/qwen35_moe/lora.py; `mtp`: the MTP layers' too): each
-    adapted (out, in) projection rank * (in + out), each routed expert's gate_up and down pairs."""
+def adapter_count(args: Qwen35MoeArgs, lora: LoraArgs) -> int:
+    """LoRA's adapter parameters (models/qwen35_moe/lora.py): each adapted (out, in) projection rank * (in + out),
+    each routed expert's gate_up and down pairs; the MTP layers' with `lora.mtp`."""
+    rank, targets, mtp = lora.rank, lora.targets, lora.mtp
     h = args.hidden_size
     heads, kv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
     key = args.linear_num_key_heads * args.linear_key_head_dim

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from models.qwen35_moe.init import canonical_name
+from models.qwen35_moe.hooks import canonical_name
 from models.qwen35_moe.moe import TopKRouter
 from tests.distributed.trainer_runs import CORPUS, close_keeping_process_group, layout_trainer
 

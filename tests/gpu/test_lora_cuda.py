@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from harness.train import main
-from models.qwen35_moe.lora import ExpertLowRank, LoraArgs
+from models.qwen35_moe.lora import ExpertLowRank
+from models.qwen35_moe.lora_targets import LoraArgs
 from models.qwen35_moe.moe import RoutedExperts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from harness.data import token_cache
-from harness.data.chat import ChatEncoder, ChatOptions, assistant_spans
+from harness.data.chat import ChatOptions, assistant_spans
+from harness.data.encoders import ChatEncoder
 from harness.data.errors import DataError
 from harness.data.loader import build_dataloader
 from harness.data.sources import Row, Skipped

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from harness.config import ConfigError
-from harness.data.chat import ChatEncoder, ChatOptions
+from harness.data.chat import ChatOptions
+from harness.data.encoders import ChatEncoder
 from harness.data.chat_packing import pack_conversations
 from harness.data.errors import DataError
 from harness.data.loader import IGNORE_INDEX, build_dataloader
@@ -358,11 +359,12 @@ def test_a_validation_set_too_small_for_one_micro_batch_is_an_error(tmp_path):
 
     source = write_rows(tmp_path / "val.jsonl", conversations(1))
     cfg = load_config(["--config", SFT_CONFIG, "--validation.enable", "true", "--validation.dataset_path",
-                       str(source), "--training.seq_len", "128", "--training.local_batch_size", "4"])
+                       str(source), "--training.seq_len", "128", "--training.local_batch_size", "4",
+                       "--training.dataset_cache_dir", str(tmp_path / "cache")])
     with pytest.raises(DataError, match=rf"the validation set {source} has 1 rows of seq_len \+ 1 = 129 tokens, fewer "
                                         r"than one micro-batch of all data-parallel ranks \(4 = 1 ranks x "
                                         r"local_batch_size 4\): it gives no validation loss"):
-        Validator(cfg, TOKENIZER, 0, 1, str(tmp_path / "cache"), None, None)
+        Validator(cfg, TOKENIZER, 0, 1, None, None)
 
 
 def test_a_validation_that_reads_no_target_is_an_error(monkeypatch, tmp_path):
@@ -373,8 +375,9 @@ def test_a_validation_that_reads_no_target_is_an_error(monkeypatch, tmp_path):
 
     fake_datasets(monkeypatch, conversations(1))  # a streamed set too short for one row
     cfg = load_config(["--config", SFT_CONFIG, "--validation.enable", "true", "--validation.dataset_source", "hf",
-                       "--validation.dataset_path", "fake/chats", "--validation.steps", "-1"])
-    validator = Validator(cfg, TOKENIZER, 0, 1, str(tmp_path / "cache"), torch.device("cpu"), None)
+                       "--validation.dataset_path", "fake/chats", "--validation.steps", "-1",
+                       "--training.dataset_cache_dir", str(tmp_path / "cache")])
+    validator = Validator(cfg, TOKENIZER, 0, 1, torch.device("cpu"), None)
     with pytest.raises(DataError, match=r"validation read no target token from fake/chats \(validation.steps = -1\)"):
         validator.validate(torch.nn.Linear(1, 1))
 

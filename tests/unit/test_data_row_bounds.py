@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from harness.config import load_config
-from harness.data.chat import ChatEncoder, ChatOptions, chat_options
+from harness.data.chat import ChatOptions
+from harness.data_setup import chat_options
 from harness.data.errors import DataError
 from harness.data.loader import build_dataloader
-from harness.data.token_cache import TextEncoder
+from harness.data.encoders import ChatEncoder, TextEncoder
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer
 from tests.unit.test_data import fake_datasets
 

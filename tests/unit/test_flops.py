@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from harness.metrics import mean_attended_keys, training_flops_per_token
+from harness.metrics import mean_attended_keys
+from models.qwen35_moe.flops import training_flops_per_token
 from models.qwen35_moe import get_flavor
 from models.qwen35_moe.args import FULL_ATTENTION
 

@@ -12,8 +12,9 @@ import torch
 from torch.func import functional_call
 
 from models.qwen35_moe import Qwen35MoeModel, get_flavor
-from harness.checkpoint.lora_merge import merged_reads, model_merges
-from models.qwen35_moe.lora import DEFAULT_TARGETS, TARGETS, LoraArgs, add_adapters, adapted_modules
+from harness.lora.merge import adapter_merges, merged_reads
+from models.qwen35_moe.lora import add_adapters, adapted_modules
+from models.qwen35_moe.lora_targets import DEFAULT_TARGETS, TARGETS, LoraArgs
 from tests.builders import initialized_model
 
 ARGS = get_flavor("debugmodel_mtp")
@@ -117,7 +118,7 @@ def test_the_exports_merged_weights_run_as_the_plain_model_give_the_lora_models_
     model = lora_model()
     base = initialized_model(ARGS).double()
     state = model.state_dict()
-    merges = model_merges(model, state)
+    merges = adapter_merges(state, EVERY_TARGET.scale)
     read = merged_reads(state.__getitem__, merges, torch.float64)  # the merge the HF exports write
     base.load_state_dict(plain_state(model) | {key: read(key) for key in merges})
     ids, pos = batch(2)

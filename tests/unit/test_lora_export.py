@@ -15,15 +15,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from harness.checkpoint.hf_weights import export_hf, load_hf_weights, write_hf_meta
+from harness.checkpoint.hf_weights import ExportUnit, export_hf, load_hf_weights, write_hf_meta
 from harness.checkpoint.integrity import ALGORITHM, digest_files, rank_0_files, rank_data_files, write_complete
-from harness.checkpoint.lora_base import base_digest
-from harness.checkpoint.lora_merge import is_adapter_key
-from harness.checkpoint.peft_adapter import CONFIG_NAME, WEIGHTS_NAME, export_peft_adapter, peft_config, peft_layout
+from harness.lora.base import base_digest
+from harness.lora.peft import CONFIG_NAME, WEIGHTS_NAME, peft_config, peft_layout
+from harness.lora.run import LoraRun
 from harness.checkpoint.plain_state import to_bytes
 from harness.convert import main as convert_main
 from models.qwen35_moe import Qwen35MoeModel, from_pretrained, get_flavor
-from models.qwen35_moe.lora import TARGETS, LoraArgs, add_adapters
+from models.qwen35_moe.lora import add_adapters
+from models.qwen35_moe.lora_targets import TARGETS, LoraArgs, is_adapter_key
 from tests.hf_reference import force_transformers_torch_kernels
 from tests.unit.test_convert_output_folder import files_under, one_error
 from tests.unit.test_export_mtp_layout import headers
@@ -68,6 +69,17 @@ def base_of(model: Qwen35MoeModel) -> Qwen35MoeModel:
     return base
 
 
+def lora_exports(model, lora: LoraArgs, folder: Path, base: Path | None, dtype: torch.dtype,
+                 **options) -> list[str]:
+    """A LoRA model's two exports as the end of a run writes them: merged at `folder`, the PEFT adapter at
+    `<folder>-adapter`, one unit (harness/lora/run.py)."""
+    unit = ExportUnit()
+    notes = LoraRun(lora, "" if base is None else str(base), 0).export(model, ARGS, folder, dtype, None, unit,
+                                                                       **options)
+    unit.publish()
+    return notes
+
+
 def ids(seed: int = 5) -> torch.Tensor:
     return torch.randint(0, ARGS.vocab_size, (2, 40), generator=torch.Generator().manual_seed(seed))
 
@@ -78,8 +90,7 @@ def exported(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora_exports")
     model = lora_model()
     export_hf(base_of(model), ARGS, str(folder / "base"), torch.float32)
-    export_hf(model, ARGS, str(folder / "merged"), torch.float32)
-    notes = export_peft_adapter(model, ARGS, LORA, folder / "adapter", base=str(folder / "base"))
+    notes = lora_exports(model, LORA, folder / "merged", folder / "base", torch.float32)
     return SimpleNamespace(model=model, folder=folder, notes=notes)
 
 
@@ -119,20 +130,20 @@ def test_peft_adapter_on_transformers_base_gives_the_lora_models_logits(exported
     force_transformers_torch_kernels(monkeypatch)
     base = Qwen3_5MoeForCausalLM.from_pretrained(exported.folder / "base", attn_implementation="eager").eval()
     plain = base(input_ids=ids()).logits.detach()
-    peft = PeftModel.from_pretrained(base, exported.folder / "adapter").eval()
+    peft = PeftModel.from_pretrained(base, exported.folder / "merged-adapter").eval()
     with torch.no_grad():
         ours = exported.model(ids()).logits
         diff = (peft(input_ids=ids()).logits.double() - ours).abs().max().item()
         moved = (plain.double() - ours).abs().max().item()
     assert diff < LOGITS_ATOL < moved, f"max |logits diff| {diff:.3e} (the base alone: {moved:.3e})"
 
-    with safe_open(str(exported.folder / "adapter" / WEIGHTS_NAME), "pt") as f:
+    with safe_open(str(exported.folder / "merged-adapter" / WEIGHTS_NAME), "pt") as f:
         written = set(f.keys())
     assert set(get_peft_model_state_dict(peft)) == written
     assert {k for k in written if ".mlp.experts." in k} == {
         f"base_model.model.model.layers.{n}.mlp.experts.{inner}lora_{f}.weight"
         for n in range(2) for inner in ("", "base_layer.") for f in "AB"}
-    config = json.loads((exported.folder / "adapter" / CONFIG_NAME).read_text())
+    config = json.loads((exported.folder / "merged-adapter" / CONFIG_NAME).read_text())
     assert (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"], config["lora_dropout"],
             config["base_model_name_or_path"]) == ("LORA", "CAUSAL_LM", 4, 8, 0.0, str(exported.folder / "base"))
     assert len(exported.notes) == 2 and "MTP layers" in exported.notes[0] and "trained with 0.1" in exported.notes[1]
@@ -158,12 +169,10 @@ def test_a_sharded_model_exports_the_same_files_gathering_each_tensor_once(expor
     gathered = []
     full_tensor = DTensor.full_tensor
     monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathered.append(id(self)) or full_tensor(self))
-    export_hf(as_fsdp, ARGS, str(tmp_path / "merged"), torch.float32)
-    assert sorted(gathered) == sorted(map(id, sharded.values()))
-    gathered.clear()
-    export_peft_adapter(as_fsdp, ARGS, LORA, tmp_path / "adapter", base=str(exported.folder / "base"))
-    assert sorted(gathered) == sorted(id(v) for k, v in sharded.items() if is_adapter_key(k) and "mtp." not in k)
-    for name in ("merged", "adapter"):
+    lora_exports(as_fsdp, LORA, tmp_path / "merged", exported.folder / "base", torch.float32)
+    adapters = [id(v) for k, v in sharded.items() if is_adapter_key(k) and "mtp." not in k]
+    assert sorted(gathered) == sorted([*map(id, sharded.values()), *adapters])  # merged export, then adapter folder
+    for name in ("merged", "merged-adapter"):
         assert files_under(tmp_path / name) == files_under(exported.folder / name), name
 
 
@@ -209,8 +218,7 @@ def test_the_converter_writes_the_end_of_run_exports_of_a_lora_step(exported, tm
         base, lora = tmp_path / "base", LORA
         export_hf(base_of(lora_model(seed=1, dtype=torch.float32)), ARGS, str(base), torch.bfloat16)
     model = trained_on(base, lora)
-    export_hf(model, ARGS, str(tmp_path / "run" / "hf"), torch.bfloat16, max_shard_bytes=SMALL_SHARDS)
-    export_peft_adapter(model, ARGS, lora, tmp_path / "run" / "hf-adapter", base=None if base is None else str(base))
+    lora_exports(model, lora, tmp_path / "run" / "hf", base, torch.bfloat16, max_shard_bytes=SMALL_SHARDS)
     step = lora_step(tmp_path / "run" / "checkpoint" / "step-20", model, base, lora)
     out = tmp_path / "converted"
     capsys.readouterr()

@@ -14,10 +14,10 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from harness.checkpoint.hf_weights import export_hf
 from harness.checkpoint.plain_state import from_bytes
-from harness.config.schema import LORA_DEFAULT_TARGETS, LORA_TARGETS
 from harness.train import main
 from models.qwen35_moe import Qwen35MoeModel, get_flavor
-from models.qwen35_moe.lora import DEFAULT_TARGETS, TARGETS, LoraArgs, add_adapters, hold_frozen_in
+from models.qwen35_moe.lora import add_adapters, hold_frozen_in
+from models.qwen35_moe.lora_targets import DEFAULT_TARGETS, LoraArgs
 from parallel.one_device_precision import OneDevicePrecision
 from tests.builders import initialized_model
 from tests.runs import losses
@@ -70,7 +70,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(tmp_path, base
     assert keys and all(".adapter." in k for k in keys)
     assert any("experts.adapter.gate_up_A" in k for k in keys)
     lora = saved_train_state(step)["lora"]
-    assert lora["args"] == {"rank": 16, "alpha": 32.0, "dropout": 0.0, "targets": list(LORA_DEFAULT_TARGETS),
+    assert lora["args"] == {"rank": 16, "alpha": 32.0, "dropout": 0.0, "targets": list(DEFAULT_TARGETS),
                             "mtp": False}
     assert lora["base"]["source"] == str(bases[0]) and lora["base"]["digest"].startswith("sha256-sampled:")
 
@@ -114,10 +114,6 @@ def test_lora_settings_no_run_can_use_stop_before_it_starts(tmp_path, bases, cap
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and problem in errors[0]
     assert not (tmp_path / "checkpoint").exists()
-
-
-def test_the_configs_targets_are_the_models():
-    assert set(LORA_TARGETS) == set(TARGETS) and tuple(LORA_DEFAULT_TARGETS) == DEFAULT_TARGETS
 
 
 def test_the_frozen_base_is_held_in_the_compute_dtype_with_no_kept_copy():

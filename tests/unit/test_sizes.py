@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from models.qwen35_moe import Qwen35MoeModel, get_flavor
-from models.qwen35_moe.lora import DEFAULT_TARGETS, TARGETS, LoraArgs, add_adapters
+from models.qwen35_moe.lora import add_adapters
+from models.qwen35_moe.lora_targets import DEFAULT_TARGETS, TARGETS, LoraArgs
 from models.qwen35_moe.sizes import adapter_count, parameter_counts
 
 
@@ -36,5 +37,5 @@ def test_parameter_counts_equal_the_built_models(flavor, tied, bias):
 @pytest.mark.parametrize("mtp", [False, True])
 def test_adapter_counts_equal_those_add_adapters_gives(flavor, targets, mtp):
     args = get_flavor(flavor)
-    model = built(args, LoraArgs(rank=8, alpha=16.0, targets=targets, mtp=mtp))
-    assert adapter_count(args, 8, targets, mtp) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora = LoraArgs(rank=8, alpha=16.0, targets=targets, mtp=mtp)
+    assert adapter_count(args, lora) == sum(p.numel() for p in built(args, lora).parameters() if p.requires_grad)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.config import load_config
-from harness.metrics import training_flops_per_token
+from models.qwen35_moe.flops import training_flops_per_token
 from harness.step_metrics import StepLog
 from harness.trainer import Trainer
 

@@ -17,6 +17,7 @@ from parallel.torch_internals import (
     inside_backward,
     own_parameters,
     run_when_backward_ends,
+    set_last_lr,
     version_counters,
 )
 
@@ -218,3 +219,16 @@ def test_flattened_mesh_dimensions_keep_their_ranks_in_order_and_the_root_mesh_s
         assert hsdp.mesh.tolist() == [list(range(8)), list(range(8, 16))]
     finally:
         dist.destroy_process_group()
+
+
+def test_an_lr_schedulers_last_lr_is_what_set_last_lr_set_until_its_next_step():
+    """A relaunch sets the lr in force by hand (harness/optim/relaunch.py): get_last_lr() reports it, and the next
+    step() moves on from the schedule as before."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 0.5 ** n)
+    optimizer.param_groups[0]["lr"] = 0.25
+    set_last_lr(scheduler, [0.25])
+    assert scheduler.get_last_lr() == [0.25]
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.5] and optimizer.param_groups[0]["lr"] == 0.5

@@ -1,7 +1,7 @@
 """A LoRA run's adapters as a PEFT adapter folder: adapter_config.json and adapter_model.safetensors, which
 `peft.PeftModel.from_pretrained(base, folder)` loads onto transformers' Qwen3_5MoeForCausalLM holding the base the
-adapters were trained on (the text-only layout our exports write: `model.layers.*`). Written by the end of a LoRA run
-beside its merged export (`adapter_folder`), and by the offline converter from a LoRA checkpoint.
+adapters were trained on (the text-only layout our exports write: `model.layers.*`). Written beside the merged export
+(harness/run_outputs.py `adapter_folder`), by the end of a LoRA run and by the offline converter (harness/lora/run.py).
 
 What it holds, per native adapter (lora.py), under PEFT's saved names (`base_model.model.` + the module's name in
 transformers' model + `.lora_A.weight` / `.lora_B.weight`; our module names are transformers' without `model.`):
@@ -28,22 +28,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from models.qwen35_moe import Qwen35MoeArgs
-from models.qwen35_moe.init import canonical_name
-from models.qwen35_moe.lora import LoraArgs, adapted_modules
+from models.qwen35_moe.lora_targets import ADAPTER, LoraArgs
 
-from .errors import CheckpointError
-from .hf_weights import ExportUnit, write_export_folder
-from .lora_merge import ADAPTER, expected_adapter_shapes, is_adapter_key
+from ..checkpoint.hf_weights import ExportUnit, write_export_folder
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +46,6 @@ _PREFIX = "base_model.model."  # PeftModelForCausalLM's base_model (LoraModel) .
 _ROUTER = ".mlp.gate"
 _EXPERT_PARAMETERS = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
 _INNER = {"gate_up": ".base_layer", "down": ""}  # the nesting of the two ParamWrappers (module docstring)
-
-
-def adapter_folder(export_folder: str | Path) -> str:
-    """Where the PEFT adapter of a merged export goes: beside it, `<export_folder>-adapter` (`.` and `..` taken as
-    the folders they name)."""
-    return os.path.abspath(export_folder) + "-adapter"
 
 
 @dataclass
@@ -159,25 +146,3 @@ def write_peft_adapter(folder: str | Path, lora: LoraArgs, shapes: dict[str, tup
 
     write_export_folder(folder, {WEIGHTS_NAME: specs}, fetch, finish, source, unit)
     return notes
-
-
-def export_peft_adapter(model: nn.Module, args: Qwen35MoeArgs, lora: LoraArgs, folder: str | Path,
-                        base: str | None = None, unit: ExportUnit | None = None) -> list[str]:
-    """Write the adapters of `model` (possibly sharded: every rank calls this) as a PEFT adapter folder
-    (`write_peft_adapter`); `args` and `lora` are the model's shape and adapters, checked against it (the config
-    states rank and alpha, the tensors come from the model), `base` the HF folder the run loaded its base from
-    (checkpoint.initial_load_hf; None or "": drawn from the seed)."""
-    state = {canonical_name(k): v for k, v in model.state_dict().items()}
-    state = {k: v for k, v in state.items() if is_adapter_key(k)}
-    ours = {k: tuple(v.shape) for k, v in state.items()}
-    scales = {module.adapter.scale for _, module in adapted_modules(model)}
-    if ours != expected_adapter_shapes(args, lora) or scales - {lora.scale}:
-        raise CheckpointError(f"the model's adapters are not those of rank {lora.rank} on {', '.join(lora.targets)} "
-                              f"(mtp {lora.mtp}) with alpha {lora.alpha:g}: the PEFT adapter would misstate them",
-                              every_rank=True)
-
-    def gathered(key: str) -> torch.Tensor:
-        tensor = state[key]
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
-
-    return write_peft_adapter(folder, lora, ours, gathered, base or None, unit=unit)
