@@ -32,15 +32,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models.qwen35_moe.gated_deltanet as gdn_module  # noqa: E402
 from bench_model import bench_args, cuda_median_ms  # noqa: E402
+
+import models.qwen35_moe.gated_deltanet as gdn_module  # noqa: E402
 from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
+from models.qwen35_moe.documents import document_layout  # noqa: E402
+from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet  # noqa: E402
+from models.qwen35_moe.hooks import ParallelHooks  # noqa: E402
 from models.qwen35_moe.kernels.causal_conv import torch_causal_conv1d  # noqa: E402
 from models.qwen35_moe.kernels.fla_hopper_guard import enable_fla_hopper_backward  # noqa: E402
 from models.qwen35_moe.kernels.gated_delta_rule import torch_chunk_gated_delta_rule  # noqa: E402
-from models.qwen35_moe.documents import document_layout  # noqa: E402
-from models.qwen35_moe.hooks import ParallelHooks  # noqa: E402
-from models.qwen35_moe.gated_deltanet import CPAwareGatedDeltaNet  # noqa: E402
 from parallel.context_parallel import CPContext, shard_zigzag  # noqa: E402
 
 

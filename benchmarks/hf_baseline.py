@@ -39,12 +39,13 @@ sys.path.insert(0, str(REPO))
 
 from bench_model import bench_args, run_figures, trainer_argv  # noqa: E402
 from gpu_power import PowerSampler  # noqa: E402
+
 from harness.config import load_config  # noqa: E402
 from harness.data.loader import build_dataloader  # noqa: E402
 from harness.metrics import max_memory_gib, mean_attended_keys, peak_flops  # noqa: E402
-from models.qwen35_moe.flops import training_flops_per_token  # noqa: E402
 from harness.train import main as train_main  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs  # noqa: E402
+from models.qwen35_moe.flops import training_flops_per_token  # noqa: E402
 
 
 def transformers_model(args: Qwen35MoeArgs, device: torch.device, folder: Path | None = None):

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from memory_model import Setup, predict_gib  # noqa: E402
+
 from models.qwen35_moe import get_flavor  # noqa: E402
 
 

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench_model import bench_args  # noqa: E402
+
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel, get_flavor  # noqa: E402
 from models.qwen35_moe.kernels.linear_cross_entropy import CHUNK_TOKENS  # noqa: E402
 from models.qwen35_moe.lora_targets import LoraArgs  # noqa: E402

@@ -293,6 +293,7 @@ def report(ns, spec: dict, results: dict[str, dict], flops: float, device: str) 
 
 def main_parent(ns: argparse.Namespace) -> int:
     from bench_model import bench_args
+
     from harness.config import load_config
     from harness.metrics import mean_attended_keys
     from models.qwen35_moe.flops import training_flops_per_token
@@ -360,8 +361,9 @@ class CheckedLoader:
 
 
 def run_ours(spec: dict, work: Path) -> dict:
-    import harness.trainer
     from bench_model import run_figures, step_losses
+
+    import harness.trainer
     from harness.config import load_config
     from harness.metrics import peak_flops
     from harness.train import main as train_main
@@ -391,9 +393,9 @@ def run_ours(spec: dict, work: Path) -> dict:
 
 def run_transformers(spec: dict, work: Path) -> dict:
     import torch.nn.functional as F
+    from hf_baseline import train_loop, transformers_model
 
     from harness.metrics import peak_flops
-    from hf_baseline import train_loop, transformers_model
     from models.qwen35_moe import Qwen35MoeArgs
 
     device, folder = the_device(), Path(spec["folder"])
@@ -703,8 +705,12 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
         run_on_cpu()
     from torch._dynamo.utils import counters as dynamo_counters
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import (LRSchedulersContainer, OptimizersContainer, ParamGroupConfig,
-                                                 register_moe_load_balancing_hook)
+    from torchtitan.components.optimizer import (
+        LRSchedulersContainer,
+        OptimizersContainer,
+        ParamGroupConfig,
+        register_moe_load_balancing_hook,
+    )
     from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils

@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-
 from bench_model import OUT_OF_MEMORY, bench_args, run_figures, trainer_argv  # noqa: E402
 from gpu_power import PowerSampler  # noqa: E402
+
 from harness.config import load_config  # noqa: E402
 from harness.train import main  # noqa: E402
 

@@ -46,8 +46,8 @@ from .config import JobConfig, Training, Validation
 from .data import sources
 from .data.chat import ChatOptions, template_messages
 from .data.encoders import ChatEncoder
-from .data_setup import chat_options
 from .data.errors import DataError
+from .data_setup import chat_options
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 LOSS_CHUNK_TOKENS = 4096  # training.loss_chunk_tokens' default: the cross entropy never holds all the logits

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-
 from .atomic_file import write_whole
 from .run_outputs import OutputError
 

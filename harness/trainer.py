@@ -14,37 +14,36 @@ import time
 
 import torch
 
+from models.qwen35_moe.flops import training_flops_per_token
 from parallel.parallel_dims import ParallelDims
 from parallel.reshard_policy import keep_if_it_fits
 
 from .atomic_file import write_whole
 from .batch import ModelInputs
 from .checkpoint.checkpointer import Checkpointer
-from .checkpoint.step_folders import step_folders, verified_resume_step
 from .checkpoint.errors import CheckpointError, ExportRefused
 from .checkpoint.hf_weights import ExportUnit, check_hf_export_folder, export_hf, with_tokenizer, write_hf_meta
+from .checkpoint.step_folders import step_folders, verified_resume_step
 from .config import ConfigError, JobConfig, to_toml, validate_parallelism, with_absolute_paths
+from .config.resume import other_changes
 from .config.run_requirements import model_args_of
-from .memory_check import device_memory_problem
+from .data.tokenizer import build_tokenizer
 from .data_setup import build_data_loader
+from .lora.run import LoraRun
+from .memory_check import device_memory_problem
+from .metrics import DeviceClock, MetricsLogger, mean_attended_keys, peak_flops
+from .model_setup import DTYPES, build_model, build_model_args, trains_mtp
 from .objective import Objective, StepLosses
 from .optim.lr_schedule import build_lr_scheduler
-from models.qwen35_moe.flops import training_flops_per_token
-
-from .metrics import DeviceClock, MetricsLogger, mean_attended_keys, peak_flops
-from .lora.run import LoraRun
-from .model_setup import DTYPES, build_model, build_model_args, trains_mtp
 from .optim.optimizer import build_optimizer
 from .optim.relaunch import apply_optimizer_settings
 from .preemption import StopRequested, TrainingStopped
 from .profiling import StepProfiler
-from .config.resume import other_changes
 from .run_folders import written_folders
 from .run_lock import acquire_run_lock
 from .run_outputs import EXPORT, OutputError, claim_outputs
 from .runtime import GarbageSchedule, cpu_process_group, init_process_group, pick_device, set_seed
 from .step_metrics import StepLog, StepValues, TrainingDivergedError
-from .data.tokenizer import build_tokenizer
 from .validation import Validator
 
 logger = logging.getLogger(__name__)

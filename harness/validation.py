@@ -29,8 +29,8 @@ from parallel.context_parallel import shard_zigzag
 from parallel.parallelize import reshard_fsdp
 
 from .config import JobConfig
-from .data.errors import DataError
 from .data.cached import TokenCacheLoader
+from .data.errors import DataError
 from .data.rows import IGNORE_INDEX
 from .data_setup import build_data_loader
 

@@ -33,8 +33,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from models.qwen35_moe.hooks import BlockRunner
 from models.qwen35_moe.model import DecoderLayer
 
-from .torch_internals import (functional_collective_ops, graph_break_error,
-                              ignore_profiler_ranges_in_selective_checkpointing)
+from .torch_internals import (
+    functional_collective_ops,
+    graph_break_error,
+    ignore_profiler_ranges_in_selective_checkpointing,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from .compile import compiled_runners
 from .context_parallel import CPContext
 from .expert_parallel import AllGatherExpertParallel, ExpertParallel, resolve_dispatch, shard_experts
 from .one_device_precision import OneDevicePrecision
-from .step_gradients import StepGradients
 from .replicated_params import ReplicatedParams
+from .step_gradients import StepGradients
 from .vocab_parallel import shard_vocab_rows
 
 logger = logging.getLogger(__name__)

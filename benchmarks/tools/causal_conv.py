@@ -19,8 +19,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from models.qwen35_moe.kernels.causal_conv import causal_conv1d_qkv  # noqa: E402
 from models.qwen35_moe.documents import document_layout  # noqa: E402
+from models.qwen35_moe.kernels.causal_conv import causal_conv1d_qkv  # noqa: E402
 
 
 def gpu_ms_per_call(fn, calls: int, warmup: int = 5) -> float:

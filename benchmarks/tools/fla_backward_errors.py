@@ -19,8 +19,13 @@ import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 from models.qwen35_moe.kernels.fla_hopper_guard import (  # noqa: E402
-    FLA_CHECK_BIAS_BOUND, FLA_CHECK_CASES, FLA_CHECK_ERROR_BOUND, fla_check_failures, fla_gated_delta_rule_errors,
-    fla_hopper_guard_fires)
+    FLA_CHECK_BIAS_BOUND,
+    FLA_CHECK_CASES,
+    FLA_CHECK_ERROR_BOUND,
+    fla_check_failures,
+    fla_gated_delta_rule_errors,
+    fla_hopper_guard_fires,
+)
 from models.qwen35_moe.kernels.gated_delta_rule import gated_delta_rule, torch_chunk_gated_delta_rule  # noqa: E402
 from tests.fault_injection import kernel_with_wrong_dg  # noqa: E402
 

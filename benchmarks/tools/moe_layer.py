@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
 
 from bench_model import bench_args, cuda_median_ms  # noqa: E402
+
 from models.qwen35_moe.hooks import ParallelHooks  # noqa: E402
 from models.qwen35_moe.moe import SparseMoE, force_balanced_routing  # noqa: E402
 from parallel.expert_parallel import AllGatherExpertParallel, ExpertParallel, shard_experts  # noqa: E402

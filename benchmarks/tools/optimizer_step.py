@@ -24,6 +24,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from bench_model import bench_args, cuda_median_ms  # noqa: E402
+
 from harness.optim.fast_adam import FastAdam  # noqa: E402
 from models.qwen35_moe import Qwen35MoeModel  # noqa: E402
 

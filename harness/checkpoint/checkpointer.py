@@ -52,10 +52,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.qwen35_moe.hooks import canonical_name
 
-from ..data.errors import DataError
 from ..config.resume import data_changes
-from .errors import CheckpointError, agreed, first_cause, one_line, rank_world
+from ..data.errors import DataError
 from ..lora.base import lora_problem
+from .errors import CheckpointError, agreed, first_cause, one_line, rank_world
 from .integrity import ALGORITHM, COMPLETE, digest_files, hash_threads, rank_0_files, rank_data_files, write_complete
 from .plain_state import from_bytes, to_bytes
 from .step_folders import gib, is_complete, set_aside, size_of, step_dirs, step_folders

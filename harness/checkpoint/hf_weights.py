@@ -28,9 +28,9 @@ import shutil
 import signal
 import threading
 import time
-from contextlib import contextmanager
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,9 +45,9 @@ from models.qwen35_moe.hf_checkpoint import (
     HFCheckpointReader,
     export_folder_refusal,
     fresh_temporary_folder,
-    restore_unpublished,
     plan_shards,
     publish_folders,
+    restore_unpublished,
     shard_names,
     temporary_folder,
     write_hf_metadata,

@@ -19,9 +19,26 @@ One module a job:
 
 from .errors import ConfigError, describe_problems
 from .load import DEFAULT_CONFIG, check_launch, load_config, to_toml, with_absolute_paths, with_default_config
-from .schema import (ALL_KEYS, INPUT_PATH_KEYS, OUTPUT_PATH_KEYS, SCHEMA, ActivationCheckpoint, Checkpoint,
-                     Compile, Debug, Job, JobConfig, LRScheduler, Metrics, Model, Optimizer, Parallelism, Profiling,
-                     Training, Validation)
+from .schema import (
+                     ALL_KEYS,
+                     INPUT_PATH_KEYS,
+                     OUTPUT_PATH_KEYS,
+                     SCHEMA,
+                     ActivationCheckpoint,
+                     Checkpoint,
+                     Compile,
+                     Debug,
+                     Job,
+                     JobConfig,
+                     LRScheduler,
+                     Metrics,
+                     Model,
+                     Optimizer,
+                     Parallelism,
+                     Profiling,
+                     Training,
+                     Validation,
+)
 from .validate import RunLayout, check_run_requirements, config_problems, validate_parallelism
 
 __all__ = [

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from .errors import ConfigError
-from .renamed import (RENAMED_KEYS, RETIRED_KEYS, current_value, print_notices, renamed_key_notice,
-                      retired_key_notice)
+from .renamed import RENAMED_KEYS, RETIRED_KEYS, current_value, print_notices, renamed_key_notice, retired_key_notice
 from .schema import ALL_KEYS, INPUT_PATH_KEYS, OUTPUT_PATH_KEYS, SCHEMA, JobConfig, get_value, names_a_dataset
 from .validate import config_problems
 

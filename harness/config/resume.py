@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+
 from ..optim.lr_schedule import lr_factor
 from .renamed import with_current_names
 from .schema import INPUT_PATH_KEYS, OUTPUT_PATH_KEYS, JobConfig

@@ -11,6 +11,7 @@ from typing import Any, Literal, get_type_hints
 
 from models.qwen35_moe.lora_targets import DEFAULT_TARGETS
 
+
 @dataclass
 class Job:
     name: str = "qwen35_moe"  # run name: prefixes every log line and console metrics line

@@ -18,15 +18,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from models.qwen35_moe.lora_targets import TARGETS as LORA_TARGETS
 from parallel.parallel_dims import ParallelDims
 
-from .errors import ConfigError
 from ..gpus import processes_per_node, visible_gpus
-from ..memory_check import launch_memory_problem
-from .run_requirements import model_args_of, run_requirement_problems
-from models.qwen35_moe.lora_targets import TARGETS as LORA_TARGETS
-
 from ..lora.settings import lora_config_problems
+from ..memory_check import launch_memory_problem
+from .errors import ConfigError
+from .run_requirements import model_args_of, run_requirement_problems
 from .schema import ALL_KEYS, JobConfig, get_value
 
 _DEGREE_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",

@@ -31,8 +31,8 @@ import torch
 
 from . import token_cache
 from .chat import ChatOptions, chat_identity
-from .encoders import ChatEncoder
 from .chat_packing import cache_layout, layout_summary, pad_id_of
+from .encoders import ChatEncoder
 from .errors import DataError
 from .ranks import on_every_rank, rank_and_world
 from .rows import chat_row, check_loader_args, packed_row, stack_rows

@@ -46,7 +46,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
 ASSISTANT_HEADER = f"{TURN_START}assistant\n"
 ROLES = ("system", "user", "assistant", "tool")

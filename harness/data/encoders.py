@@ -7,8 +7,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from .chat import (ASSISTANT_HEADER, CHECK_EVERY, TURN_END, ChatOptions, assistant_spans, chat_template_problem,
-                   conversation_problem, has_content, target_mask, template_messages, tokenizer_folder)
+from .chat import (
+    ASSISTANT_HEADER,
+    CHECK_EVERY,
+    TURN_END,
+    ChatOptions,
+    assistant_spans,
+    chat_template_problem,
+    conversation_problem,
+    has_content,
+    target_mask,
+    template_messages,
+    tokenizer_folder,
+)
 from .errors import DataError
 from .long_text import encode_text
 from .sources import Row, Skipped, lone_surrogate_problem

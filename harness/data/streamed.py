@@ -20,11 +20,11 @@ import torch
 
 from .chat import ChatOptions
 from .chat_packing import pad_id_of
+from .encoders import ChatEncoder, TextEncoder
 from .errors import DataError
 from .rows import chat_row, check_loader_args, packed_row, stack_rows
 from .saved_position import STREAMED_CHAT, STREAMED_TEXT, check_saved_position
 from .sources import Row, Skipped, hf_documents
-from .encoders import ChatEncoder, TextEncoder
 
 logger = logging.getLogger(__name__)
 

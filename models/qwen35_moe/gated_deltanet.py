@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import Qwen35MoeArgs
-from .kernels.causal_conv import causal_conv1d_qkv
 from .documents import DocumentLayout
 from .fp32_contract import HOLDER_NAME, Fp32ParamsModule, at_least_fp32
 from .hooks import ContextParallel, ParallelHooks
+from .kernels.causal_conv import causal_conv1d_qkv
 from .kernels.gated_delta_rule import gated_delta_rule
 from .linear import Linear
 from .norms import GatedRMSNorm

@@ -24,8 +24,16 @@ from .args import FULL_ATTENTION, Qwen35MoeArgs
 from .attention import GatedAttention
 from .documents import DocumentLayout, document_layout
 from .gated_deltanet import CPAwareGatedDeltaNet
-from .hooks import (UNSHARDED, BlockRunner, ContextParallel, GradientStep, MixedPrecision, ParallelHooks, ParamSharding,
-                    VocabParallel)
+from .hooks import (
+    UNSHARDED,
+    BlockRunner,
+    ContextParallel,
+    GradientStep,
+    MixedPrecision,
+    ParallelHooks,
+    ParamSharding,
+    VocabParallel,
+)
 from .init import init_weights
 from .kernels.linear_cross_entropy import CHUNK_TOKENS, linear_cross_entropy_sum
 from .linear import Linear

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeArgs
-from models.qwen35_moe.moe import SparseMoE
 from models.qwen35_moe.hooks import ParallelHooks
+from models.qwen35_moe.moe import SparseMoE
 from parallel.parallelize import DTensorSharding, shard_experts_for_dispatch
 
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,

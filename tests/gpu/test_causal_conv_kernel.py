@@ -10,8 +10,8 @@ start moves values by O(1)."""
 import pytest
 import torch
 
-from models.qwen35_moe.kernels.causal_conv import causal_conv1d_qkv, torch_causal_conv1d
 from models.qwen35_moe.documents import document_layout
+from models.qwen35_moe.kernels.causal_conv import causal_conv1d_qkv, torch_causal_conv1d
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA GPU")
 

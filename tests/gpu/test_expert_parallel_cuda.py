@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.qwen35_moe import Qwen35MoeArgs
-from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 from models.qwen35_moe.hooks import ParallelHooks
-from parallel.parallelize import DTensorSharding
+from models.qwen35_moe.moe import RoutedExperts, SparseMoE
 from parallel.expert_parallel import AllGatherExpertParallel, ExpertParallel, local_partial_outputs, shard_experts
+from parallel.parallelize import DTensorSharding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

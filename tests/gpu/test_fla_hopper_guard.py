@@ -15,7 +15,7 @@ import torch
 
 from models.qwen35_moe.kernels.fla_hopper_guard import GUARD_MODULE
 from models.qwen35_moe.kernels.gated_delta_rule import gated_delta_rule
-from tests.gpu.test_fla_kernels import CU_SEQLENS, HV, DV, gdn_inputs
+from tests.gpu.test_fla_kernels import CU_SEQLENS, DV, HV, gdn_inputs
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="FLA kernels need a CUDA GPU"),
               pytest.mark.skipif(importlib.util.find_spec("tilelang") is not None,

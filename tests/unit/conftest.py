@@ -1,5 +1,7 @@
 """Fixtures shared by the unit tests."""
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,3 +27,15 @@ def deterministic_off_after():
     """For tests whose runs set training.deterministic: a process-wide switch, kept out of later tests."""
     yield
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def own_logging():
+    """harness.train.main sets up logging on pytest's captured stderr: put back what was there, so that tests run
+    after these do not log to a closed stream."""
+    root, ours = logging.getLogger(), [logging.getLogger(name) for name in ("harness", "models", "parallel")]
+    handlers, levels = root.handlers[:], [root.level] + [logger.level for logger in ours]
+    yield
+    root.handlers[:] = handlers
+    for logger, level in zip([root, *ours], levels):
+        logger.setLevel(level)

@@ -68,8 +68,8 @@ def test_cu_seqlens_with_batch_larger_than_one_is_refused():
 def test_document_history_counts_each_tokens_earlier_tokens_in_its_document_from_cu_seqlens():
     """The CUDA kernel's document resets (document_history) against the cu_seqlens documents.py derives from the
     same position ids: rows starting mid-document, documents of 1 and 2 tokens, a row shorter than the width."""
-    from models.qwen35_moe.kernels.causal_conv import document_history
     from models.qwen35_moe.documents import document_layout
+    from models.qwen35_moe.kernels.causal_conv import document_history
 
     for positions in (torch.tensor([[5, 6, 7, 0, 1, 2, 3, 4, 0, 0, 1], [0, 1, 2, 3, 0, 1, 0, 0, 9, 10, 11]]),
                       torch.tensor([[3, 4], [0, 0]])):

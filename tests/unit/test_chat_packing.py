@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import ConfigError
+from harness.config import ConfigError, check_launch
 from harness.data.chat import ChatOptions
-from harness.data.encoders import ChatEncoder
 from harness.data.chat_packing import pack_conversations
+from harness.data.encoders import ChatEncoder
 from harness.data.errors import DataError
 from harness.data.loader import IGNORE_INDEX, build_dataloader
 from harness.data.prefetch import PrefetchingLoader
-from harness.data.streamed import ChatStreamPacker
 from harness.data.sources import Row
+from harness.data.streamed import ChatStreamPacker
 from harness.data.tokenizer import HFTokenizer
-from harness.config import check_launch
 from tests.runs import write_rows
 from tests.unit.test_data import batch_rows, fake_datasets, take
 
@@ -233,8 +232,8 @@ def test_a_chat_stream_packs_its_rank_shard_and_resumes_exactly(monkeypatch):
     resumed = stream()
     resumed.load_state_dict(state)
     assert [batch_rows(b) for b in take(resumed, 5)] == expected[3:]
-    for l in (reference, resumed):
-        l.close()
+    for each in (reference, resumed):
+        each.close()
 
 
 def test_a_chat_stream_state_does_not_resume_a_text_stream_nor_the_reverse(monkeypatch):
@@ -248,18 +247,6 @@ def test_a_chat_stream_state_does_not_resume_a_text_stream_nor_the_reverse(monke
 
 
 # -- the launch and a run ----------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def own_logging():
-    """harness.train.main sets up logging on pytest's captured stderr: put back what was there, so that tests run
-    after these do not log to a closed stream."""
-    root, ours = logging.getLogger(), [logging.getLogger(name) for name in ("harness", "models", "parallel")]
-    handlers, levels = root.handlers[:], [root.level] + [logger.level for logger in ours]
-    yield
-    root.handlers[:] = handlers
-    for logger, level in zip([root, *ours], levels):
-        logger.setLevel(level)
 
 
 def test_chat_configs_that_cannot_run_are_named_before_the_run(tmp_path):

@@ -124,9 +124,10 @@ def test_a_missing_load_step_lists_the_complete_ones(tmp_path, capsys):
 def test_fp32_parameters_from_a_bf16_hf_checkpoint_stay_fp32_and_exact_through_a_save_and_resume(tmp_path):
     """A bf16 HF checkpoint still holds A_log, dt_bias and the GDN norm in F32: they load, train, save and resume
     in fp32, with values that are not bf16-representable kept exactly."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     from models.qwen35_moe import get_flavor, save_hf_checkpoint
     from tests.builders import initialized_model
-    from torch.distributed.checkpoint import FileSystemReader
 
     model = initialized_model(get_flavor("debugmodel"))
     with torch.no_grad():

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint.step_folders import ABANDONED, step_folders
 from harness.checkpoint.integrity import COMPLETE, check_files, read_complete, write_complete
+from harness.checkpoint.step_folders import ABANDONED, step_folders
 from harness.config import DEFAULT_CONFIG
 from harness.train import main
 from tests.runs import losses

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from harness.checkpoint.checkpointer import Checkpointer
-from harness.checkpoint.step_folders import ABANDONED, step_folders
 from harness.checkpoint.integrity import COMPLETE, check_files, file_digest, read_complete
+from harness.checkpoint.step_folders import ABANDONED, step_folders
 from harness.config import load_config
 from harness.convert import main as convert_main
 from harness.train import main

@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
 
 from models.qwen35_moe import attention, get_flavor, moe
 from parallel.parallelize import parallelize_qwen35_moe

@@ -5,8 +5,7 @@ import itertools
 import pytest
 import torch
 
-from harness.config import ConfigError, load_config
-from harness.config import check_run_requirements
+from harness.config import ConfigError, check_run_requirements, load_config
 from parallel.context_parallel import _natural_order, shard_zigzag, zigzag_index
 
 

@@ -14,8 +14,8 @@ import torch
 
 from harness.data.loader import IGNORE_INDEX, DataError, build_dataloader
 from harness.data.prefetch import PrefetchingLoader
-from harness.data.streamed import StreamPacker
 from harness.data.sources import open_documents, read_unit, source_units
+from harness.data.streamed import StreamPacker
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

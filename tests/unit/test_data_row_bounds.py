@@ -12,11 +12,11 @@ import pytest
 
 from harness.config import load_config
 from harness.data.chat import ChatOptions
-from harness.data_setup import chat_options
+from harness.data.encoders import ChatEncoder, TextEncoder
 from harness.data.errors import DataError
 from harness.data.loader import build_dataloader
-from harness.data.encoders import ChatEncoder, TextEncoder
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer
+from harness.data_setup import chat_options
 from tests.unit.test_data import fake_datasets
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,7 +18,6 @@ from harness.data.errors import DataError
 from harness.data.loader import build_dataloader
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer
 from harness.train import BAD_INPUT, main
-from tests.unit.test_chat_packing import own_logging  # noqa: F401 (a fixture: main() sets up logging)
 from tests.unit.test_data import fake_datasets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,8 +81,8 @@ def test_a_valid_json_row_that_cannot_be_used_is_left_out_counted_and_named(tmp_
 def test_a_dataset_of_only_unusable_rows_is_an_error_naming_the_first(tmp_path, data_format):
     line, _ = FORMATS[data_format]
     source = write(tmp_path / "d.jsonl", *(line(case) for case in UNUSABLE))
-    with pytest.raises(DataError, match=rf"holds no (documents|conversations): all its 3 rows .*\(the first: "
-                                        rf".*d\.jsonl:1: .*lone surrogate"):
+    with pytest.raises(DataError, match=r"holds no (documents|conversations): all its 3 rows .*\(the first: "
+                                        r".*d\.jsonl:1: .*lone surrogate"):
         build(source, tmp_path / "cache", data_format, CHAT_TOKENIZER)
 
 
@@ -143,4 +142,4 @@ def test_train_on_a_dataset_of_only_unusable_rows_exits_2_with_one_line(tmp_path
     err = capsys.readouterr().err
     assert code == BAD_INPUT and "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"all its 3 rows" in errors[0] and f"{source}:1: " in errors[0], err
+    assert len(errors) == 1 and "all its 3 rows" in errors[0] and f"{source}:1: " in errors[0], err

@@ -11,10 +11,10 @@ from torch.utils.checkpoint import checkpoint
 
 import parallel.expert_parallel as expert_parallel
 from models.qwen35_moe import Qwen35MoeArgs
-from models.qwen35_moe.moe import SparseMoE
-from parallel.expert_parallel import ExpertParallel, shard_experts
 from models.qwen35_moe.hooks import ParallelHooks
+from models.qwen35_moe.moe import SparseMoE
 from parallel.activation_checkpointing import _selective_context
+from parallel.expert_parallel import ExpertParallel, shard_experts
 from parallel.parallelize import DTensorSharding
 
 ARGS = Qwen35MoeArgs(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from harness.metrics import mean_attended_keys
-from models.qwen35_moe.flops import training_flops_per_token
 from models.qwen35_moe import get_flavor
 from models.qwen35_moe.args import FULL_ATTENTION
+from models.qwen35_moe.flops import training_flops_per_token
 
 
 def test_attention_is_counted_per_query_by_its_own_documents_keys():

@@ -13,8 +13,8 @@ import pytest
 from harness.config import DEFAULT_CONFIG, load_config
 from harness.memory_check import GIB, memory_floor
 from harness.train import BAD_INPUT, main
-from tests.unit.test_convert_output_folder import one_error
 from models.qwen35_moe import get_flavor
+from tests.unit.test_convert_output_folder import one_error
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from models.qwen35_moe import Qwen35MoeModel, get_flavor
 from harness.lora.merge import adapter_merges, merged_reads
-from models.qwen35_moe.lora import add_adapters, adapted_modules
+from models.qwen35_moe import Qwen35MoeModel, get_flavor
+from models.qwen35_moe.lora import adapted_modules, add_adapters
 from models.qwen35_moe.lora_targets import DEFAULT_TARGETS, TARGETS, LoraArgs
 from tests.builders import initialized_model
 

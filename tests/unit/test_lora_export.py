@@ -17,11 +17,11 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from harness.checkpoint.hf_weights import ExportUnit, export_hf, load_hf_weights, write_hf_meta
 from harness.checkpoint.integrity import ALGORITHM, digest_files, rank_0_files, rank_data_files, write_complete
+from harness.checkpoint.plain_state import to_bytes
+from harness.convert import main as convert_main
 from harness.lora.base import base_digest
 from harness.lora.peft import CONFIG_NAME, WEIGHTS_NAME, peft_config, peft_layout
 from harness.lora.run import LoraRun
-from harness.checkpoint.plain_state import to_bytes
-from harness.convert import main as convert_main
 from models.qwen35_moe import Qwen35MoeModel, from_pretrained, get_flavor
 from models.qwen35_moe.lora import add_adapters
 from models.qwen35_moe.lora_targets import TARGETS, LoraArgs, is_adapter_key

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from harness.config import load_config
-from models.qwen35_moe.flops import training_flops_per_token
 from harness.step_metrics import StepLog
 from harness.trainer import Trainer
+from models.qwen35_moe.flops import training_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 64, 2

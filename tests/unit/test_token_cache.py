@@ -14,8 +14,13 @@ from harness.data.loader import DataError, build_dataloader
 from harness.data.sources import source_units
 from harness.data.token_cache import META_FILE, STARTS_FILE, TOKENS_FILE, publish, tokenizer_identity
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer
-from tests.unit.test_data import (NoSpecialsTokenizer, expected_stream, make_word_level_tokenizer, random_documents,
-                                  write_jsonl)
+from tests.unit.test_data import (
+    NoSpecialsTokenizer,
+    expected_stream,
+    make_word_level_tokenizer,
+    random_documents,
+    write_jsonl,
+)
 
 
 class CountingTokenizer(ByteTokenizer):

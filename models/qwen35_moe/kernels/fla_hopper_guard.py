@@ -17,8 +17,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .gated_delta_rule import (FlaKernelsUnavailableError, gated_delta_rule, torch_chunk_gated_delta_rule,
-                               warn_if_fla_unchecked)
+from .gated_delta_rule import (
+    FlaKernelsUnavailableError,
+    gated_delta_rule,
+    torch_chunk_gated_delta_rule,
+    warn_if_fla_unchecked,
+)
 
 logger = logging.getLogger(__name__)
 
