@@ -39,12 +39,12 @@ from .schema import (
                      Training,
                      Validation,
 )
-from .validate import RunLayout, check_run_requirements, config_problems, validate_parallelism
+from .validate import RunLayout, config_problems, validate_parallelism
 
 __all__ = [
     "ALL_KEYS", "DEFAULT_CONFIG", "INPUT_PATH_KEYS", "OUTPUT_PATH_KEYS", "SCHEMA", "ActivationCheckpoint",
     "Checkpoint", "Compile", "ConfigError", "Debug", "Job", "JobConfig", "LRScheduler", "Metrics", "Model",
     "Optimizer", "Parallelism", "Profiling", "RunLayout", "Training", "Validation", "check_launch",
-    "check_run_requirements", "config_problems", "describe_problems", "load_config", "to_toml", "validate_parallelism",
+    "config_problems", "describe_problems", "load_config", "to_toml", "validate_parallelism",
     "with_absolute_paths", "with_default_config",
 ]

@@ -129,13 +129,6 @@ def validate_parallelism(cfg: JobConfig, world_size: int) -> RunLayout:
     return layout
 
 
-def check_run_requirements(cfg: JobConfig) -> None:
-    """A ConfigError naming every problem of `cfg`'s values and of what its run reads (no world size: no layout)."""
-    problems = config_problems(cfg, run_requirements=True)
-    if problems:
-        raise ConfigError(problems)
-
-
 def _finite(value) -> bool:
     values = value if isinstance(value, list) else [value]
     return all(math.isfinite(v) for v in values if isinstance(v, float))

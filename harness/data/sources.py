@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import itertools
 import json
 import re
 from collections import Counter
@@ -79,16 +78,6 @@ class Row(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Document sources
-
-
-def open_documents(kind: str, path: str, text_field: str = "text") -> Iterator[str | Skipped]:
-    """An iterator over the documents of one source (one full pass), Skipped for rows whose text is null; errors
-    about the path are raised here, not at the first `next`."""
-    check_source(kind, path)
-    if kind == "hf":
-        return hf_documents(path, text_field)
-    units = source_units(kind, source_files(Path(path), SOURCE_SUFFIXES[kind]))
-    return itertools.chain.from_iterable(read_unit(kind, unit, text_field) for unit in units)
 
 
 def check_source(kind: str, path: str) -> None:

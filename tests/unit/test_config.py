@@ -376,15 +376,15 @@ def test_global_batch_not_a_multiple_of_local_times_dp_is_rejected(gbs):
 def test_shipped_configs_are_valid_except_for_the_paths_a_user_must_set(name, world):
     from pathlib import Path
 
-    from harness.config import check_run_requirements
+    from tests.runs import run_requirements_error
 
     cfg = load_config(["--config", str(Path(__file__).resolve().parents[2] / "train_configs" / name)])
     dims = validate_parallelism(cfg, world_size=world).dims
     if name == "debug_model.toml":
-        check_run_requirements(cfg)  # runs as shipped
+        run_requirements_error(cfg)  # runs as shipped
     else:  # the placeholder paths of the 35B configs are reported, and nothing else
         with pytest.raises(ConfigError, match="/path/to/") as raised:
-            check_run_requirements(cfg)
+            run_requirements_error(cfg)
         for other in ("flavor", "context_parallel", "seq_len", "tokenizer has", "not available"):
             assert other not in str(raised.value), str(raised.value)
     if name == "qwen35_moe_long.toml":
@@ -394,13 +394,13 @@ def test_shipped_configs_are_valid_except_for_the_paths_a_user_must_set(name, wo
 def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_named_before_anything_starts():
     from pathlib import Path
 
-    from harness.config import check_run_requirements
+    from tests.runs import run_requirements_error
 
     data = str(Path(__file__).resolve().parents[2] / "data" / "debug_corpus" / "train.jsonl")
     cfg = load_config(["--training.dataset_path", data, "--parallelism.expert_parallel_degree", "3"])
     with pytest.raises(ConfigError, match=r"expert_parallel_degree = 3 must divide the number of experts \(8\)"):
-        check_run_requirements(cfg)
-    check_run_requirements(load_config(["--training.dataset_path", data, "--parallelism.expert_parallel_degree", "4"]))
+        run_requirements_error(cfg)
+    run_requirements_error(load_config(["--training.dataset_path", data, "--parallelism.expert_parallel_degree", "4"]))
 
 
 # --- every numeric key has a range: nothing that passes here crashes torch or diverges later ----------------------

@@ -5,8 +5,9 @@ import itertools
 import pytest
 import torch
 
-from harness.config import ConfigError, check_run_requirements, load_config
+from harness.config import ConfigError, load_config
 from parallel.context_parallel import _natural_order, shard_zigzag, zigzag_index
+from tests.runs import run_requirements_error
 
 
 @pytest.mark.parametrize("cp, seq_len", list(itertools.product([1, 2, 3, 4, 8], [16, 48, 96, 4096])))
@@ -40,9 +41,9 @@ def _cfg(*argv):
 ])
 def test_impossible_context_parallel_layouts_are_named_before_anything_starts(argv, message):
     with pytest.raises(ConfigError) as e:
-        check_run_requirements(_cfg(*argv))
+        run_requirements_error(_cfg(*argv))
     assert message in str(e.value)
-    check_run_requirements(_cfg("--parallelism.context_parallel_degree", "2", "--training.seq_len", "96"))
+    run_requirements_error(_cfg("--parallelism.context_parallel_degree", "2", "--training.seq_len", "96"))
 
 
 def _bottom_right_varlen(q, k, v, cu_q, cu_k):

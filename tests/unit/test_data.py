@@ -14,9 +14,10 @@ import torch
 
 from harness.data.loader import IGNORE_INDEX, DataError, build_dataloader
 from harness.data.prefetch import PrefetchingLoader
-from harness.data.sources import open_documents, read_unit, source_units
+from harness.data.sources import read_unit, source_units
 from harness.data.streamed import StreamPacker
 from harness.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from tests.runs import open_documents
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_CORPUS = REPO / "data" / "debug_corpus" / "train.jsonl"

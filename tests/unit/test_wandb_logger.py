@@ -136,10 +136,11 @@ def test_nothing_imports_wandb_unless_a_run_asks_for_it(tmp_path):
     script = f"""
 import sys
 import harness.evaluate, harness.metrics, harness.plot, harness.train, harness.trainer, harness.wandb_logger
-from harness.config import check_run_requirements, load_config
+from harness.config import load_config
+from tests.runs import run_requirements_error
 from harness.metrics import MetricsLogger
 
-check_run_requirements(load_config({[*FAST, "--job.dump_folder", str(tmp_path / "out")]!r}))
+run_requirements_error(load_config({[*FAST, "--job.dump_folder", str(tmp_path / "out")]!r}))
 logger = MetricsLogger({str(tmp_path / "out")!r}, 1, enable_tensorboard=False, tb_folder="tb", run_id="run")
 logger.log(1, {{"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 1.0, "mfu": None, "max_memory_gib": 0.1}})
 logger.close()
