@@ -59,11 +59,35 @@ def attended_keys(batches: list[dict[str, torch.Tensor]]) -> float:
 
 class Trainer:
     def __init__(self, cfg: JobConfig):
+        """The run of `cfg`, built in the order of the stages below; nothing is written before the run lock is held,
+        nothing allocated before the memory check."""
         self.cfg = cfg
         self.rank = int(os.environ.get("RANK", "0"))
         self.layout = validate_parallelism(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # again for direct callers
         self.dims: ParallelDims = self.layout.dims
+        self._start_runtime()
+        ckpt = cfg.checkpoint
+        self.checkpoint_folder = os.path.join(cfg.job.dump_folder, ckpt.folder)
+        resume_step = verified_resume_step(self.checkpoint_folder, ckpt.load_step, self.cpu_group) \
+            if ckpt.enable else None
+        self._build_model(resumed=resume_step is not None)
+        self._build_data()
+        line = self._build_checkpointer(resume_step)
+        # The dump folder's outputs become this line's: another line's are set aside (harness/run_outputs.py)
+        self.run_id = self._claim_outputs(line, resumed=resume_step is not None)
+        if cfg.checkpoint.export_hf_at_end:  # an export it may not write is refused now, not after the training
+            for folder in self._export_folders(self.export_folder):
+                check_hf_export_folder(folder)
+        self._build_metrics(resumed=resume_step is not None)
+        self.started = time.perf_counter()
+        self.exporting = False  # whether the end-of-run export is being written (what_is_saved)
+        self.export_unit: ExportUnit | None = None  # the export's folders being written, then published
+        if self.rank == 0:
+            self._save_config()
 
+    def _start_runtime(self) -> None:
+        """The device, the memory check, seeds, the process group and meshes, the run lock and the stop handler."""
+        cfg = self.cfg
         self.device = pick_device()
         self._refuse_what_cannot_fit()  # before anything is allocated or written (harness/memory_check.py)
         set_seed(cfg.training.seed, cfg.training.deterministic, self.device)
@@ -74,17 +98,16 @@ class Trainer:
         self.run_lock = acquire_run_lock(written_folders(cfg), self.rank, self.cpu_group)
         self.stop = StopRequested()
 
-        ckpt = cfg.checkpoint
-        ckpt_folder = os.path.join(cfg.job.dump_folder, ckpt.folder)
-        resume_step = verified_resume_step(ckpt_folder, ckpt.load_step, self.cpu_group) if ckpt.enable else None
-
+    def _build_model(self, resumed: bool) -> None:
+        """The tokenizer, the model (with its LoRA part), the objective, the optimizer and the LR schedule."""
+        cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.model_args = build_model_args(cfg, self.tokenizer.vocab_size)
         self.lora = LoraRun.from_config(cfg)  # None without LoRA (harness/lora/run.py)
         # Resuming: the checkpoint's weights replace the initial ones, so an HF checkpoint is not read at all (but
         # under LoRA, whose checkpoints hold the adapters only: the frozen base is read again).
         self.model = build_model(cfg, self.model_args, self.meshes, self.device, self.lora,
-                                 load_hf=resume_step is None or self.lora is not None,
+                                 load_hf=not resumed or self.lora is not None,
                                  grad_accum_steps=self.layout.grad_accum_steps)
         self.train_mtp = trains_mtp(cfg, self.model, self.lora)
         aux_loss_coef = (self.model_args.router_aux_loss_coef if cfg.training.aux_loss_coef < 0
@@ -96,18 +119,25 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.training.steps, s.warmup_steps, s.decay_ratio,
                                                s.decay_type, s.min_lr_factor)
 
+    def _build_data(self) -> None:
+        """How a micro-batch reaches the model, the training data and the validation set."""
+        cfg = self.cfg
         self.model_inputs = ModelInputs(self.model, self.device, cfg.training.loss_chunk_tokens)  # harness/batch.py
         dp_rank = self.meshes.dp_rank if self.meshes is not None else 0  # CP ranks of one DP rank: same rows
         self.dataloader = build_data_loader(cfg, "training", self.tokenizer, dp_rank, self.dims.dp)
         self.validator = (Validator(cfg, self.tokenizer, dp_rank, self.dims.dp, self.device, self.model_inputs,
                                     mtp=self.model.mtp is not None)
                           if cfg.validation.enable else None)
-        self.step, line = 0, None
-        self.checkpointer = None
+
+    def _build_checkpointer(self, resume_step: int | None) -> str | None:
+        """The checkpointer (checkpoint.enable) and, resuming, the loaded state with this launch's settings on top;
+        returns the resumed checkpoint's line (None: a fresh start)."""
+        cfg, ckpt = self.cfg, self.cfg.checkpoint
+        self.step, line, self.checkpointer = 0, None, None
         if ckpt.enable:
             args_for_hf, hf_files = with_tokenizer(self.model_args, self.tokenizer)
             self.checkpointer = Checkpointer(
-                ckpt_folder, self.model, self.optimizer, self.lr_scheduler, self.dataloader,
+                self.checkpoint_folder, self.model, self.optimizer, self.lr_scheduler, self.dataloader,
                 keep_latest_k=ckpt.keep_latest_k, async_mode=ckpt.async_mode,
                 model_config=args_for_hf.to_hf_config(ckpt.export_dtype),
                 hf_files=lambda folder: write_hf_meta(folder, args_for_hf, ckpt.export_dtype, hf_files),
@@ -120,28 +150,22 @@ class Trainer:
         self.first_step = self.step  # where this launch starts
         if self.checkpointer is not None:
             self.checkpointer.check_room(self.step, cfg.training.steps, ckpt.interval)
-        # The dump folder's outputs become this line's: another line's are set aside (harness/run_outputs.py)
-        self.run_id = self._claim_outputs(line, resumed=resume_step is not None)
-        if cfg.checkpoint.export_hf_at_end:  # an export it may not write is refused now, not after the training
-            for folder in self._export_folders(self.export_folder):
-                check_hf_export_folder(folder)
-        self.metrics = MetricsLogger(cfg.job.dump_folder, cfg.training.steps, cfg.metrics.enable_tensorboard,
+        return line
+
+    def _build_metrics(self, resumed: bool) -> None:
+        """The metrics sinks and the step log (harness/step_metrics.py): tokens, FLOPs and MFU of each step."""
+        cfg, t = self.cfg, self.cfg.training
+        self.metrics = MetricsLogger(cfg.job.dump_folder, t.steps, cfg.metrics.enable_tensorboard,
                                      cfg.metrics.save_tb_folder, self.run_id, enabled=self.rank == 0,
-                                     job_name=cfg.job.name, resume_step=self.step if resume_step is not None else None,
+                                     job_name=cfg.job.name, resume_step=self.step if resumed else None,
                                      wandb_config=cfg.to_dict() if cfg.metrics.enable_wandb else None)
         self.clock = DeviceClock(self.device)
-        t = cfg.training
         tokens_per_step = t.local_batch_size * t.seq_len * self.layout.grad_accum_steps // self.dims.cp
         adapters = (self.lora.adapter_flops_params(self.model, self.model_args.num_experts_per_tok, self.train_mtp)
                     if self.lora is not None else None)
-        self.steps = StepLog(self.metrics, self.clock, self.device, tokens_per_step,  # harness/step_metrics.py
+        self.steps = StepLog(self.metrics, self.clock, self.device, tokens_per_step,
                              lambda keys: training_flops_per_token(self.model_args, keys, self.train_mtp, adapters),
                              peak_flops(self.device), mtp=self.train_mtp, ep=self.dims.ep)
-        self.started = time.perf_counter()
-        self.exporting = False  # whether the end-of-run export is being written (what_is_saved)
-        self.export_unit: ExportUnit | None = None  # the export's folders being written, then published
-        if self.rank == 0:
-            self._save_config()
 
     def _refuse_what_cannot_fit(self) -> None:
         """ConfigError (exit 2, every rank alike) if the run cannot fit this process's device (its GPU's memory, or
