@@ -66,6 +66,7 @@ class Setup:
     local_batch: int = 1
     ac: str = "full"
     lora_rank: int = 0  # LoRA on lora.py's default targets; 0: a full fine-tune
+    expert_rank: int = 0  # LoRA's lora.expert_rank (0: lora_rank)
     loss_chunk: int = CHUNK_TOKENS  # training.loss_chunk_tokens
 
 
@@ -94,7 +95,8 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     block = block_dense + counts["experts"] / layers / s.ep
     gathered = GATHER_BYTES * block
     if s.lora_rank:  # the base frozen in bf16 (2 B), the adapters as any trained parameter (16 B)
-        states = (2 * counts["total"] + 16 * adapter_count(args, LoraArgs(rank=s.lora_rank, alpha=2.0 * s.lora_rank))) / shards
+        lora = LoraArgs(rank=s.lora_rank, alpha=2.0 * s.lora_rank, expert_rank=s.expert_rank)
+        states = (2 * counts["total"] + 16 * adapter_count(args, lora)) / shards
         gathered = 0 if shards == 1 else gathered  # one GPU: no FSDP, nothing gathered
     tokens = s.seq * s.local_batch // s.cp
     gdn_layers = sum(t == "linear_attention" for t in args.layer_types)
@@ -155,6 +157,8 @@ RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
     ("8 x 141 GB", Setup(gpus=8, ep=8, ac="none", seq=4096)),
     ("1 x 141 GB", Setup(gpus=1, lora_rank=16)),  # LoRA, train_configs/qwen35_moe_lora.toml
     ("1 x 141 GB", Setup(gpus=1, lora_rank=16, local_batch=4)),
+    ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=8)),  # the experts' adapters at half the rank
+
 ]
 
 

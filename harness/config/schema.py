@@ -228,6 +228,10 @@ class Lora:
     # base; the end-of-run export writes the merged model to hf/ and a PEFT adapter to hf-adapter/.
     enable: bool = False
     rank: int = 16  # a multiple of 8 (the routed experts' grouped GEMMs need 16-byte rows)
+    # The routed experts' own rank (0: lora.rank), a multiple of 8: most of the adapters' parameters are the experts'
+    # (at rank 16, 0.92B of 35B-A3B's 0.94B), so a smaller one here is where LoRA's memory goes down. Their scale is
+    # alpha / expert_rank; the PEFT export states it as rank_pattern.
+    expert_rank: int = 0
     alpha: float = 32.0
     dropout: float = 0.0  # on each adapter's input
     # Any of: q_proj k_proj v_proj o_proj (gated attention), in_proj_qkv in_proj_z in_proj_a in_proj_b out_proj

@@ -76,6 +76,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.keep_latest_k": (_at_least(0), ">= 0 (0 keeps all)"),
     "checkpoint.load_step": (_at_least(-1), "a step or -1 (the latest)"),
     "lora.rank": (lambda v: v > 0 and v % 8 == 0, "a positive multiple of 8"),
+    "lora.expert_rank": (lambda v: v >= 0 and v % 8 == 0, "0 (lora.rank) or a positive multiple of 8"),
     "lora.alpha": (_positive, "positive"),
     "lora.dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "lora.targets": (lambda v: v and set(v) <= set(LORA_TARGETS), f"a non-empty list of {', '.join(LORA_TARGETS)}"),

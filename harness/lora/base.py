@@ -19,6 +19,7 @@ from pathlib import Path
 
 from models.qwen35_moe import Qwen35MoeArgs
 from models.qwen35_moe.hf_checkpoint import read_safetensors_header
+from models.qwen35_moe.lora_targets import LoraArgs
 
 SAMPLE_BYTES = 4096
 
@@ -62,8 +63,11 @@ def lora_problem(saved: dict | None, ours: dict | None) -> str | None:
         return "it holds a full fine-tune's weights, and this run trains LoRA adapters (lora.enable)"
     if ours is None:
         return "it holds LoRA adapters only, and this run trains every weight (set lora.enable and its settings)"
-    changed = [f"lora.{key} {saved['args'][key]} (now {ours['args'][key]})" for key in ours["args"]
-               if saved["args"].get(key) != ours["args"][key]]
+    # a setting saved before it existed had its default (LoraArgs')
+    saved_args = {field.name: field.default for field in dataclasses.fields(LoraArgs)
+                  if field.default is not dataclasses.MISSING} | saved["args"]
+    changed = [f"lora.{key} {saved_args.get(key)} (now {ours['args'][key]})" for key in ours["args"]
+               if saved_args.get(key) != ours["args"][key]]
     if changed:
         return "its adapters were trained with other settings: " + ", ".join(changed)
     if saved["base"]["digest"] != ours["base"]["digest"]:

@@ -26,13 +26,14 @@ class Merge:
     scale: float
 
 
-def adapter_merges(keys: Iterable[str], scale: float) -> dict[str, Merge]:
-    """{base weight key: its Merge} for every adapter among native state-dict keys, each of scale `scale`."""
+def adapter_merges(keys: Iterable[str], scale_of: Callable[[str], float]) -> dict[str, Merge]:
+    """{base weight key: its Merge} for every adapter among native state-dict keys; `scale_of(A's key)`: its scale
+    (LoraArgs.scale_of: the routed experts' may differ)."""
     merges = {}
     for key in keys:
         module, sep, name = key.rpartition(ADAPTER)
         if sep and name in WEIGHT_OF_A:
-            merges[f"{module}.{WEIGHT_OF_A[name]}"] = Merge(key, f"{module}{ADAPTER}{name[:-1]}B", scale)
+            merges[f"{module}.{WEIGHT_OF_A[name]}"] = Merge(key, f"{module}{ADAPTER}{name[:-1]}B", scale_of(key))
     return merges
 
 

@@ -17,6 +17,8 @@ transformers' model + `.lora_A.weight` / `.lora_B.weight`; our module names are 
     PEFT nests two wrappers: the one on gate_up_proj (transformers registers it first) inside, its factors under
     `mlp.experts.base_layer.`, down_proj's under `mlp.experts.`. Read in PEFT 0.19 to 0.21
     (tuners/lora/layer.py, ParamWrapper; 0.19 is the first to take transformers 5's (E, out, in) expert layout).
+  With `lora.expert_rank` the experts' factors have their own rank, which the config states as `rank_pattern` for
+  those two parameters: PEFT builds them at that rank and scales them by alpha over it, as they trained.
   MTP layers (`mtp.*`): left out, with a log line: transformers' model has no MTP layer (it drops `mtp.*` on
     load); the merged export holds them.
 PEFT's ParamWrapper refuses lora_dropout other than 0, and PEFT has one lora_dropout for the whole adapter: when the
@@ -45,6 +47,7 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PeftModelForCausalLM's base_model (LoraModel) .model (the transformers model)
 _ROUTER = ".mlp.gate"
 _EXPERT_PARAMETERS = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
+EXPERT_PARAMETERS = set(_EXPERT_PARAMETERS.values())
 _INNER = {"gate_up": ".base_layer", "down": ""}  # the nesting of the two ParamWrappers (module docstring)
 
 
@@ -105,7 +108,10 @@ def peft_config(lora: LoraArgs, layout: PeftLayout, base: str | None) -> dict:
         "target_parameters": sorted(layout.target_parameters) or None,
         "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
+        # the routed experts' own rank (lora.expert_rank): PEFT then scales them by alpha over it, as they trained
+        "rank_pattern": {name: lora.experts_rank for name in sorted(layout.target_parameters & EXPERT_PARAMETERS)
+                         if lora.experts_rank != lora.rank},
+        "alpha_pattern": {}, "revision": None,
     }
 
 

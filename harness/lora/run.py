@@ -15,13 +15,15 @@ What it owns:
   PEFT adapter beside it (peft.py), from the trained model (`export`, the end of a run) or from a checkpoint's
   adapters and the base they were trained on (`write_exports`, the converter).
 
-Where the next two capabilities go, inside this part and the model's LoRA files:
-- a separate rank for the routed experts (`lora.expert_rank`, as PEFT's rank_pattern): a LoraArgs field
-  (models/qwen35_moe/lora_targets.py) read by settings.py, ExpertLowRank built with it (lora.py), sizes.py's count,
-  and peft.py's config writing `rank_pattern` for the expert parameters;
-- an FP8 frozen base (the official FP8 release): `convert` holds each quantized weight as float8_e4m3fn with its
-  block scales instead of casting it to the compute dtype, the base's reading and digest (base.py) take the FP8
-  folder, and `write_exports` dequantizes W before W + s B A (or re-quantizes the merged weight on request).
+How a capability of LoRA lands: inside this part and the model's LoRA files.
+- A separate rank for the routed experts (`lora.expert_rank`, PEFT's rank_pattern) did so: a LoraArgs field
+  (models/qwen35_moe/lora_targets.py, with the experts' scale alpha / expert_rank), read by settings.py, built by
+  ExpertLowRank (lora.py), counted by sizes.py, merged at its own scale (merge.py's `scale_of`), and written to the
+  PEFT config as `rank_pattern` (peft.py).
+- An FP8 frozen base (the official FP8 release) goes the same way: `convert` holds each quantized weight as
+  float8_e4m3fn with its block scales instead of casting it to the compute dtype, the base's reading and digest
+  (base.py) take the FP8 folder, and `write_exports` dequantizes W before W + s B A (or re-quantizes the merged weight
+  on request).
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from torch import nn
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeModel
 from models.qwen35_moe.hf_checkpoint import MAX_SHARD_BYTES
-from models.qwen35_moe.lora import active_adapter_params, adapted_modules, adapter_shapes, add_adapters, hold_frozen_in
+from models.qwen35_moe.lora import (
+    ExpertLowRank,
+    active_adapter_params,
+    adapted_modules,
+    adapter_shapes,
+    add_adapters,
+    hold_frozen_in,
+)
 from models.qwen35_moe.lora_targets import LoraArgs, is_adapter_key
 
 from ..checkpoint.errors import CheckpointError
@@ -104,9 +113,12 @@ class LoraRun:
         alike."""
         shapes, read = model_native_tensors(model)
         adapters = {k: s for k, s in shapes.items() if is_adapter_key(k)}
-        scales = {module.adapter.scale for _, module in adapted_modules(model)}
-        if adapters != adapter_shapes(model_args, self.args) or scales - {self.args.scale}:
-            raise CheckpointError(f"the model's adapters are not those of rank {self.args.rank} on "
+        scales = {name: module.adapter.scale for name, module in adapted_modules(model)}
+        expected = {name: self.args.expert_scale if isinstance(module.adapter, ExpertLowRank) else self.args.scale
+                    for name, module in adapted_modules(model)}
+        if adapters != adapter_shapes(model_args, self.args) or scales != expected:
+            raise CheckpointError(f"the model's adapters are not those of rank {self.args.rank} (experts "
+                                  f"{self.args.experts_rank}) on "
                                   f"{', '.join(self.args.targets)} (mtp {self.args.mtp}) with alpha "
                                   f"{self.args.alpha:g}: the exports would misstate them", every_rank=True)
         return self.write_exports(folder, model_args, dtype, shapes, read, unit, tokenizer=tokenizer,
@@ -119,7 +131,7 @@ class LoraRun:
         """The merged model at `folder` and the PEFT adapter beside it, into `unit`, from native tensors (the base's
         weights and the adapters' factors alike: `shapes`, each read whole by `read`); `source`: the checkpoint
         they come from (the converter's). Returns what the PEFT folder leaves out or states otherwise."""
-        merges = adapter_merges(shapes, self.args.scale)
+        merges = adapter_merges(shapes, self.args.scale_of)
         logger.info("LoRA: %d adapted weights written merged (W + s * B A, summed in fp32)", len(merges))
         base = {k: s for k, s in shapes.items() if not is_adapter_key(k)}
         write_native_export(folder, model_args, dtype, base, merged_reads(read, merges, dtype), tokenizer,

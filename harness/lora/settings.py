@@ -11,7 +11,8 @@ def lora_args_of(cfg) -> LoraArgs | None:
     lora = cfg.lora
     if not lora.enable:
         return None
-    return LoraArgs(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), mtp=lora.mtp == "lora")
+    return LoraArgs(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets), mtp=lora.mtp == "lora",
+                    expert_rank=lora.expert_rank)
 
 
 def lora_config_problems(cfg, unusable: frozenset[str]) -> list[str]:

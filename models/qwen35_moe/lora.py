@@ -51,11 +51,11 @@ class ExpertLowRank(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, args: LoraArgs):
         super().__init__()
-        self.scale = args.scale
-        self.gate_up_A = nn.Parameter(torch.empty(num_experts, args.rank, dim))
-        self.gate_up_B = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, args.rank))
-        self.down_A = nn.Parameter(torch.empty(num_experts, args.rank, hidden_dim))
-        self.down_B = nn.Parameter(torch.empty(num_experts, dim, args.rank))
+        self.scale, rank = args.expert_scale, args.experts_rank  # lora.expert_rank, where set
+        self.gate_up_A = nn.Parameter(torch.empty(num_experts, rank, dim))
+        self.gate_up_B = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, rank))
+        self.down_A = nn.Parameter(torch.empty(num_experts, rank, hidden_dim))
+        self.down_B = nn.Parameter(torch.empty(num_experts, dim, rank))
         self.dropout = nn.Dropout(args.dropout) if args.dropout else nn.Identity()
 
     def pairs(self, which: str, sharding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,9 @@ def is_adapter_key(key: str) -> bool:
     return ADAPTER in key
 
 
+EXPERT_FACTORS = ("gate_up_A", "gate_up_B", "down_A", "down_B")  # the routed experts' adapters' parameters
+
+
 @dataclass(frozen=True)
 class LoraArgs:
     rank: int
@@ -40,7 +43,22 @@ class LoraArgs:
     dropout: float = 0.0
     targets: tuple[str, ...] = DEFAULT_TARGETS
     mtp: bool = False  # adapters on the MTP layers too (else they stay frozen as loaded)
+    expert_rank: int = 0  # the routed experts' adapters' rank (PEFT's rank_pattern); 0: `rank`
 
     @property
     def scale(self) -> float:
+        """s of the dense projections' adapters (alpha / rank)."""
         return self.alpha / self.rank
+
+    @property
+    def experts_rank(self) -> int:
+        return self.expert_rank or self.rank
+
+    @property
+    def expert_scale(self) -> float:
+        """s of the routed experts' adapters: alpha over their own rank, as PEFT's rank_pattern gives them."""
+        return self.alpha / self.experts_rank
+
+    def scale_of(self, key: str) -> float:
+        """The scale of the adapter a state-dict key belongs to (an experts' factor, or a dense one)."""
+        return self.expert_scale if key.rpartition(".")[2] in EXPERT_FACTORS else self.scale

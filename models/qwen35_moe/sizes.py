@@ -90,7 +90,8 @@ def adapter_count(args: Qwen35MoeArgs, lora: LoraArgs) -> int:
                                                                           "router")]
         total = sum(rank * (fan_in + fan_out) for t in chosen for fan_in, fan_out in shapes[t])
         if "experts" in targets:
-            total += e * rank * ((h + 2 * i) + (i + h))  # gate_up: A (r, H), B (2I, r); down: A (r, I), B (H, r)
+            # gate_up: A (r, H), B (2I, r); down: A (r, I), B (H, r), r the experts' own rank
+            total += e * lora.experts_rank * ((h + 2 * i) + (i + h))
         return total
 
     total = sum(args.num_layers_of(t) * layer(t) for t in (FULL_ATTENTION, LINEAR_ATTENTION))

@@ -425,6 +425,7 @@ def test_nan_and_infinity_are_refused_for_every_float_key(key, value):
 
 OUT_OF_RANGE = {  # key: values of the right type that no run can use, each named by the config check
     "job.other_run_outputs_keep": ["-1"],
+    "lora.expert_rank": ["-8", "4", "12"],
     "optimizer.lr": ["0", "-1e-3"],
     "optimizer.eps": ["0", "-1"],
     "optimizer.weight_decay": ["-5"],
@@ -446,7 +447,7 @@ WORLD_SIZE_KEYS = {"training.global_batch_size", "parallelism.data_parallel_repl
                    "parallelism.expert_parallel_degree"}  # checked against the world size: validate_parallelism
 IN_RANGE = {"optimizer.betas": "0,0.999", "training.aux_loss_coef": "-1", "training.seed": str(2 ** 64 - 1),
             "optimizer.weight_decay": "0", "training.chat_max_row_bytes": "-1", "validation.steps": "-1",
-            "job.other_run_outputs_keep": "0"}
+            "job.other_run_outputs_keep": "0", "lora.expert_rank": "0"}
 
 
 def test_every_numeric_key_has_its_range_checked():

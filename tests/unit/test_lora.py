@@ -118,7 +118,7 @@ def test_the_exports_merged_weights_run_as_the_plain_model_give_the_lora_models_
     model = lora_model()
     base = initialized_model(ARGS).double()
     state = model.state_dict()
-    merges = adapter_merges(state, EVERY_TARGET.scale)
+    merges = adapter_merges(state, EVERY_TARGET.scale_of)
     read = merged_reads(state.__getitem__, merges, torch.float64)  # the merge the HF exports write
     base.load_state_dict(plain_state(model) | {key: read(key) for key in merges})
     ids, pos = batch(2)

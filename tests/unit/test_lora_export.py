@@ -23,7 +23,7 @@ from harness.lora.base import base_digest
 from harness.lora.peft import CONFIG_NAME, WEIGHTS_NAME, peft_config, peft_layout
 from harness.lora.run import LoraRun
 from models.qwen35_moe import Qwen35MoeModel, from_pretrained, get_flavor
-from models.qwen35_moe.lora import add_adapters
+from models.qwen35_moe.lora import adapted_modules, add_adapters
 from models.qwen35_moe.lora_targets import TARGETS, LoraArgs, is_adapter_key
 from tests.hf_reference import force_transformers_torch_kernels
 from tests.unit.test_convert_output_folder import files_under, one_error
@@ -40,12 +40,12 @@ LOGITS_ATOL = 1e-4
 SMALL_SHARDS = 2**16  # 64 KiB: the merged export in several shards, as test_export_mtp_layout.py's
 
 
-def lora_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> Qwen35MoeModel:
-    """The debug model with adapters on every target, its base weights and its B moved away from their init (B zero
-    would make every adapter a no-op), in eval mode (no dropout)."""
+def lora_model(seed: int = 0, dtype: torch.dtype = torch.float64, lora: LoraArgs = LORA) -> Qwen35MoeModel:
+    """The debug model with adapters on every target (`lora`), its base weights and its B moved away from their init
+    (B zero would make every adapter a no-op), in eval mode (no dropout)."""
     with torch.device("meta"):
         model = Qwen35MoeModel(ARGS)
-        add_adapters(model, LORA)
+        add_adapters(model, lora)
     model.to_empty(device="cpu")
     model.init_weights(seed)
     randomise(model.to(dtype), seed, base=True)
@@ -279,3 +279,32 @@ def test_a_hostile_safetensors_header_is_one_error_line_for_the_converter_and_th
                        "--job.dump_folder", str(tmp_path / "run")]) == 2
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "it is not a safetensors file" in error[0], error
+
+
+def test_a_separate_expert_rank_is_peft_rank_pattern_and_both_exports_are_the_same_model(tmp_path, monkeypatch):
+    """lora.expert_rank: the routed experts' adapters at rank 8 beside the dense ones' 4, each scaled by alpha over
+    its own rank. The PEFT folder states it as rank_pattern for the two expert parameters, and PEFT's model of the
+    base with it, like transformers' model of the merged export, gives the LoRA model's logits."""
+    import dataclasses
+
+    from peft import PeftModel
+    from transformers import Qwen3_5MoeForCausalLM
+
+    force_transformers_torch_kernels(monkeypatch)
+    lora = dataclasses.replace(LORA, dropout=0.0, expert_rank=8)
+    model = lora_model(seed=2, lora=lora)
+    experts = [m.adapter for n, m in adapted_modules(model) if n.endswith("experts")]
+    assert experts and all(a.gate_up_A.shape[1] == 8 and a.scale == 1.0 for a in experts)  # alpha 8 / rank 8
+    export_hf(base_of(model), ARGS, str(tmp_path / "base"), torch.float32)
+    lora_exports(model, lora, tmp_path / "merged", tmp_path / "base", torch.float32)
+    config = json.loads((tmp_path / "merged-adapter" / CONFIG_NAME).read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    assert config["rank_pattern"] == {"mlp.experts.down_proj": 8, "mlp.experts.gate_up_proj": 8}
+    base = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
+    peft = PeftModel.from_pretrained(base, tmp_path / "merged-adapter").eval()
+    merged = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
+    with torch.no_grad():
+        ours = model(ids()).logits
+        for name, other in (("peft", peft), ("merged", merged)):
+            diff = (other(input_ids=ids()).logits.double() - ours).abs().max().item()
+            assert diff < LOGITS_ATOL, f"{name}: max |logits diff| {diff:.3e}"

@@ -71,13 +71,14 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(tmp_path, base
     assert any("experts.adapter.gate_up_A" in k for k in keys)
     lora = saved_train_state(step)["lora"]
     assert lora["args"] == {"rank": 16, "alpha": 32.0, "dropout": 0.0, "targets": list(DEFAULT_TARGETS),
-                            "mtp": False}
+                            "mtp": False, "expert_rank": 0}
     assert lora["base"]["source"] == str(bases[0]) and lora["base"]["digest"].startswith("sha256-sampled:")
 
 
 @pytest.mark.parametrize("change, told", [
     ("base", "its adapters were trained on another base"),
     ("rank", "its adapters were trained with other settings: lora.rank 16 (now 8)"),
+    ("expert_rank", "its adapters were trained with other settings: lora.expert_rank 0 (now 8)"),
     ("full", "it holds LoRA adapters only, and this run trains every weight"),
 ])
 def test_a_resume_onto_another_base_or_settings_stops_with_one_line_and_leaves_the_checkpoint(tmp_path, bases, capsys,
@@ -86,7 +87,8 @@ def test_a_resume_onto_another_base_or_settings_stops_with_one_line_and_leaves_t
     step = tmp_path / "checkpoint" / "step-1"
     before = {p: p.read_bytes() for p in step.rglob("*") if p.is_file()}
     capsys.readouterr()
-    extra = {"base": [], "rank": ["--lora.rank", "8"], "full": ["--lora.enable", "false"]}[change]
+    extra = {"base": [], "rank": ["--lora.rank", "8"], "expert_rank": ["--lora.expert_rank", "8"],
+             "full": ["--lora.enable", "false"]}[change]
     assert run(tmp_path, bases[1] if change == "base" else bases[0], "--training.steps", "2", *extra) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and told in errors[0] and "Traceback" not in errors[0]
@@ -140,3 +142,16 @@ def test_a_fresh_launch_sets_another_lines_peft_adapter_aside_with_its_export(tm
     assert run(tmp_path, bases[0], "--training.steps", "1", "--checkpoint.enable", "false") == 0
     assert (tmp_path / f"hf-adapter-{first}" / "adapter_model.safetensors").read_bytes() == before
     assert (tmp_path / f"hf-{first}").is_dir() and (tmp_path / "hf-adapter").is_dir()
+
+
+def test_a_checkpoint_saved_before_expert_rank_existed_resumes_with_its_default():
+    """Its record has no expert_rank: it trained the experts at lora.rank, what expert_rank 0 means."""
+    from harness.lora.base import lora_problem
+
+    base = {"digest": "sha256-sampled:0", "source": ""}
+    old = {"args": {"rank": 16, "alpha": 32.0, "dropout": 0.0, "targets": list(DEFAULT_TARGETS), "mtp": False},
+           "base": base}
+    ours = {"args": {**old["args"], "expert_rank": 0}, "base": base}
+    assert lora_problem(old, ours) is None
+    assert lora_problem(old, {**ours, "args": {**ours["args"], "expert_rank": 8}}) == (
+        "its adapters were trained with other settings: lora.expert_rank 0 (now 8)")

@@ -34,8 +34,8 @@ def test_parameter_counts_equal_the_built_models(flavor, tied, bias):
 
 @pytest.mark.parametrize("flavor", ["debugmodel_mtp", "35B-A3B"])
 @pytest.mark.parametrize("targets", [DEFAULT_TARGETS, TARGETS, ("experts",), ("fc", "router", "shared_expert_gate")])
-@pytest.mark.parametrize("mtp", [False, True])
-def test_adapter_counts_equal_those_add_adapters_gives(flavor, targets, mtp):
+@pytest.mark.parametrize("mtp, expert_rank", [(False, 0), (True, 0), (False, 24)])
+def test_adapter_counts_equal_those_add_adapters_gives(flavor, targets, mtp, expert_rank):
     args = get_flavor(flavor)
-    lora = LoraArgs(rank=8, alpha=16.0, targets=targets, mtp=mtp)
+    lora = LoraArgs(rank=8, alpha=16.0, targets=targets, mtp=mtp, expert_rank=expert_rank)
     assert adapter_count(args, lora) == sum(p.numel() for p in built(args, lora).parameters() if p.requires_grad)
