@@ -363,19 +363,19 @@ class CheckedLoader:
 def run_ours(spec: dict, work: Path) -> dict:
     from bench_model import run_figures, step_losses
 
-    import harness.trainer
+    import harness.data_setup
     from harness.config import load_config
     from harness.metrics import peak_flops
     from harness.train import main as train_main
     from models.qwen35_moe import Qwen35MoeArgs
 
-    expected, loaders, build = torch.load(spec["batches"]), [], harness.trainer.build_dataloader
+    expected, loaders, build = torch.load(spec["batches"]), [], harness.data_setup.build_dataloader
 
     def checked_loader(*args, **kwargs):
         loaders.append(CheckedLoader(build(*args, **kwargs), expected))
         return loaders[-1]
 
-    harness.trainer.build_dataloader = checked_loader
+    harness.data_setup.build_dataloader = checked_loader  # what the trainer's loaders are built by
     if train_main(spec["argv"]) != 0:
         raise SystemExit("our trainer failed")
     cfg = load_config(spec["argv"])

@@ -160,3 +160,19 @@ def test_the_timed_steps_note_names_the_graphs_compiled_inside_them():
     assert note == ("timed steps: median 950 tok/s, slowest 50 (step 5); dynamo compiled 1 graph(s) in 1 of them "
                     "(step: graphs 5: 1)")
     assert peer.timed_steps_note([1000.0, 990.0], [2, 1, 0, 0], warmup=2).endswith("no dynamo graph compiled in them")
+
+
+def test_our_trainer_builds_its_loader_where_the_script_checks_it(tmp_path, monkeypatch):
+    """run_ours wraps harness.data_setup.build_dataloader to check our trainer's batches against the saved rows: the
+    trainer's loader must be built through that name, or the check would silently check nothing."""
+    import harness.data_setup
+    from harness.config import DEFAULT_CONFIG, load_config
+    from harness.trainer import Trainer
+
+    built, real = [], harness.data_setup.build_dataloader
+    monkeypatch.setattr(harness.data_setup, "build_dataloader",
+                        lambda *args, **kwargs: built.append(args[1]) or real(*args, **kwargs))
+    trainer = Trainer(load_config(["--config", str(DEFAULT_CONFIG), "--training.seq_len", "64",
+                                   "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)]))
+    trainer.close()
+    assert len(built) == 1 and built[0].endswith("train.jsonl")
