@@ -116,17 +116,13 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
         except (ValueError, FileNotFoundError) as e:
             raise ConvertError(f"the base {part.base}: {e}") from None
         shapes, read = base_shapes | shapes, _either(read, base_read)
-    unit, notes = ExportUnit(), []  # a LoRA step's merged model and adapter: both written, or neither
+    notes = []
     options = {"extra_files": extra_files, "max_shard_bytes": int(max_shard_gib * 1024**3), "source": step_dir}
-    try:
+    with ExportUnit() as unit:  # a LoRA step's merged model and adapter: both written, or neither
         if part is not None:
             notes = part.write_exports(out_dir, args, export_dtype, shapes, read, unit, **options)
         else:
             write_native_export(out_dir, args, export_dtype, shapes, read, unit=unit, **options)
-        unit.publish()
-    except BaseException:
-        unit.discard()
-        raise
     for note in notes:
         print(note)
     return [folder.resolve() for _, folder in unit.written]

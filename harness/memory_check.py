@@ -40,7 +40,7 @@ def memory_floor(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, on_gpu: boo
     lora = lora_args_of(cfg)
     if lora is not None:
         adapters = adapter_count(args, lora)
-        frozen = counts.total - (0 if lora.mtp else _mtp_parameters(args))  # a frozen MTP layer need not be held
+        frozen = counts.total - (0 if lora.mtp else counts.mtp)  # a frozen MTP layer need not be held
         state = value * frozen + 8 * adapters
     else:
         state = 16 * counts.total
@@ -49,12 +49,6 @@ def memory_floor(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, on_gpu: boo
     return {"state": state // max(1, world_size),
             "activations": tokens * args.hidden_size * args.num_hidden_layers * value,
             "logits": chunk * args.vocab_size * value}
-
-
-def _mtp_parameters(args: Qwen35MoeArgs) -> int:
-    import dataclasses
-
-    return parameter_counts(args).total - parameter_counts(dataclasses.replace(args, mtp_num_hidden_layers=0)).total
 
 
 def memory_problem(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, on_gpu: bool, available: int,

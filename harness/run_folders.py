@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 
 from .run_outputs import OUTPUTS, RUN_FILE
 
@@ -28,7 +29,7 @@ _OTHER_OUTPUTS = re.compile(r"(hf|hf-adapter)(\.tmp|\.old|-.+)|metrics-.+\.jsonl
                             re.ASCII)
 # Another run's outputs by their default names (its own config may name others: these are the ones a user meets)
 _DEFAULT_OUTPUTS = (*OUTPUTS, "tb", "checkpoint", "profile_traces", "memory_snapshot", "dataset_cache")
-_WALK_LIMIT = 10_000  # folders looked into under a checkpoint folder for another run's dump folder
+WALK_LIMIT = 10_000  # folders looked into under a folder for another run's (folders_under)
 
 
 def written_folders(cfg) -> dict[str, str]:
@@ -118,16 +119,20 @@ def _dump_folder_above(path: str, stop: str) -> str | None:
     return None
 
 
-def _dump_folder_below(path: str) -> str | None:
-    """A folder under `path` that holds run.json, among the first _WALK_LIMIT looked into; step folders are not
-    entered (a checkpoint holds none)."""
-    for seen, (root, dirs, files) in enumerate(os.walk(path)):  # never follows a link
-        if seen >= _WALK_LIMIT:
-            return None
-        if root != path and RUN_FILE in files:
-            return root
+def folders_under(path: str) -> Iterator[tuple[str, list[str]]]:
+    """(folder, the names of its files) of `path` and the folders under it where another run's folder could lie:
+    the first WALK_LIMIT, step folders and checkpoints set aside not entered (a checkpoint holds no run's folder),
+    never through a link."""
+    for seen, (root, dirs, files) in enumerate(os.walk(path)):
+        if seen >= WALK_LIMIT:
+            return
         dirs[:] = [d for d in dirs if not d.startswith(("step-", "abandoned-"))]
-    return None
+        yield root, files
+
+
+def _dump_folder_below(path: str) -> str | None:
+    """A folder under `path` that holds run.json (folders_under), or None."""
+    return next((root for root, files in folders_under(path) if root != path and RUN_FILE in files), None)
 
 
 def _inside_another_runs_output(dump: str) -> str | None:

@@ -36,9 +36,10 @@ import time
 from fcntl import LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, flock
 from typing import IO
 
+from .run_folders import folders_under
+
 LOCK_FILE = ".lock"
 _HOLDER_WAIT_S = 2.0  # how long a refused launch waits for a holder that has just taken the lock to sign it
-_WALK_LIMIT = 10_000  # folders looked at under a run's folder for another run's lock
 
 
 class RunLockError(RuntimeError):
@@ -153,12 +154,9 @@ def _refuse_held_above(folder: str, key: str, own: set[str]) -> None:
 
 
 def _refuse_held_below(folder: str, key: str, own: set[str]) -> None:
-    """RunLockError if another run holds a folder under `folder` (a real path), among the first _WALK_LIMIT looked
-    at; step folders are not entered (a checkpoint holds no run's folder)."""
-    for seen, (root, dirs, files) in enumerate(os.walk(folder)):  # never follows a link
-        if seen >= _WALK_LIMIT:
-            return
-        dirs[:] = [d for d in dirs if not d.startswith(("step-", "abandoned-"))]
+    """RunLockError if another run holds a folder under `folder` (a real path), of those run_folders.folders_under
+    looks at."""
+    for root, files in folders_under(folder):
         if root == folder or LOCK_FILE not in files or os.path.realpath(root) in own:
             continue
         holder = _held_by_another(os.path.join(root, LOCK_FILE))

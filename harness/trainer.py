@@ -365,17 +365,13 @@ class Trainer:
 
     def _export_to(self, folder: str) -> str:
         """The export (and a LoRA run's adapter) written to `folder` as one unit; returns what was written."""
-        self.export_unit = unit = ExportUnit()
         dtype = DTYPES[self.cfg.checkpoint.export_dtype]
-        try:
+        with ExportUnit() as unit:
+            self.export_unit = unit
             if self.lora is not None:  # merged, and the PEFT adapter beside it
                 self.lora.export(self.model, self.model_args, folder, dtype, self.tokenizer, unit)
             else:
                 export_hf(self.model, self.model_args, folder, dtype, tokenizer=self.tokenizer, unit=unit)
-            unit.publish()
-        except BaseException:
-            unit.discard()
-            raise
         return " and ".join(os.path.abspath(written) for _, written in unit.written)
 
     def _free_export_folder(self) -> str:

@@ -4,8 +4,9 @@
   every rank); rank 0 alone reads the tensors, one native tensor at a time (per-expert checkpoints fused one
   tensor at a time), and scatters it: each rank keeps its shard. Peak host memory per rank: about one tensor,
   whatever the checkpoint's size or the number of ranks.
-- `export_hf` / `write_native_export` / `write_hf_folder`: the official sharded layout (model-0000i-of-0000n
-  .safetensors + index, shards of at most 5 GiB planned from names and sizes alone). Shard i is written by rank i % W: for each of
+- `export_hf` / `write_native_export` / `write_hf_folder`: the official sharded layout
+  (model-0000i-of-0000n.safetensors + index, shards of at most 5 GiB planned from names and sizes alone). Shard i is
+  written by rank i % W: for each of
   its tensors every rank takes part in gathering the full native tensor (once, however many HF tensors are cut
   from it: `ExportTensors`), the owner streams it into the file. Peak memory per rank: beside the model, at most
   two gathered tensors (an MTP layer's experts) on the device, one HF tensor on the host. Rank 0 then writes
@@ -232,12 +233,23 @@ class ExportUnit:
     """Export folders published together, both new or both as they were (a LoRA run's merged model and its PEFT
     adapter): each is written whole into its temporary folder (`write_export_folder(..., unit=this)`), then
     `publish` renames them all into place at once, with SIGINT and SIGTERM held off for those renames (a Ctrl-C
-    then lands just after them, as it was sent). A stop or failure before that: `discard` removes the temporary folders, and every
-    earlier export stays as it was. Every rank calls `publish` and `discard` alike; rank 0 acts."""
+    then lands just after them, as it was sent). A stop or failure before that: `discard` removes the temporary
+    folders, and every earlier export stays as it was. Every rank calls `publish` and `discard` alike; rank 0 acts.
+    As a context manager (`with ExportUnit() as unit:`), it publishes when the block ends and discards when it
+    raises."""
 
     def __init__(self):
         self.written: list[tuple[Path, Path]] = []  # (temporary folder, folder), on every rank
         self.published = False
+
+    def __enter__(self) -> ExportUnit:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.publish()
+        else:
+            self.discard()
 
     def publish(self) -> None:
         error = None

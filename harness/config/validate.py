@@ -33,7 +33,7 @@ _DEGREE_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.data_
 _BATCH_KEYS = ("training.local_batch_size", "training.global_batch_size")
 # What the memory check reads (harness/memory_check.py)
 _MEMORY_KEYS = ("training.local_batch_size", "training.seq_len", "training.loss_chunk_tokens", "lora.enable",
-                "lora.rank", "lora.targets", "lora.mtp", "training.mtp_loss_coef", "model.flavor", "model.hf_config",
+                "lora.rank", "lora.expert_rank", "lora.targets", "lora.mtp", "training.mtp_loss_coef", "model.flavor", "model.hf_config",
                 "model.mtp_num_hidden_layers")
 
 
@@ -112,7 +112,7 @@ def config_problems(cfg: JobConfig, world_size: int | None = None, rejected: fro
 def _memory_problems(cfg: JobConfig, layout: RunLayout) -> list[str]:
     """Whether the run can fit this host (a CPU run) or any GPU (harness/memory_check.py), judged where its model is
     known."""
-    args, unknown = model_args_of(cfg)
+    args, _ = model_args_of(cfg)
     if args is None:  # named by the run requirements
         return []
     gpu_run = visible_gpus() > 0

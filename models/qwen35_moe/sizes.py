@@ -18,7 +18,7 @@ from .lora_targets import LoraArgs
 class ParameterCounts:
     total: int  # every parameter (a tied lm_head counted once)
     experts: int  # of them, in the routed experts (the MTP layers' included)
-    adapters: int = 0  # LoRA's adapters, beside `total`
+    mtp: int  # of them, in the MTP layers
 
 
 def _attention(args: Qwen35MoeArgs) -> int:
@@ -63,7 +63,7 @@ def parameter_counts(args: Qwen35MoeArgs) -> ParameterCounts:
         mtp += 2 * h + 2 * h * h + h  # the two pre-fc norms, fc (2H -> H), the final norm
     total = v * h + layers + h + head + mtp
     experts = (args.num_hidden_layers + args.mtp_num_hidden_layers) * _routed_experts(args)
-    return ParameterCounts(total, experts)
+    return ParameterCounts(total, experts, mtp)
 
 
 def adapter_count(args: Qwen35MoeArgs, lora: LoraArgs) -> int:

@@ -73,11 +73,9 @@ def lora_exports(model, lora: LoraArgs, folder: Path, base: Path | None, dtype: 
                  **options) -> list[str]:
     """A LoRA model's two exports as the end of a run writes them: merged at `folder`, the PEFT adapter at
     `<folder>-adapter`, one unit (harness/lora/run.py)."""
-    unit = ExportUnit()
-    notes = LoraRun(lora, "" if base is None else str(base), 0).export(model, ARGS, folder, dtype, None, unit,
-                                                                       **options)
-    unit.publish()
-    return notes
+    with ExportUnit() as unit:
+        return LoraRun(lora, "" if base is None else str(base), 0).export(model, ARGS, folder, dtype, None, unit,
+                                                                          **options)
 
 
 def ids(seed: int = 5) -> torch.Tensor:

@@ -30,6 +30,7 @@ def test_parameter_counts_equal_the_built_models(flavor, tied, bias):
     counts = parameter_counts(args)
     assert counts.total == sum(p.numel() for p in named.values())
     assert counts.experts == sum(p.numel() for n, p in named.items() if ".experts." in n)
+    assert counts.mtp == sum(p.numel() for n, p in named.items() if n.startswith("mtp."))
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel_mtp", "35B-A3B"])
