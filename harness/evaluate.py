@@ -100,14 +100,13 @@ def export_tokenizer(folder: str | Path):
 
 def _check_sizes(folder: Path, args) -> None:
     """config.json must describe the weights the folder holds: a damaged or foreign config.json must not allocate a
-    model of its sizes."""
-    from models.qwen35_moe import Qwen35MoeModel
+    model of its sizes (nor build one: its parameters are counted from the args alone)."""
     from models.qwen35_moe.hf_checkpoint import HFCheckpointReader
+    from models.qwen35_moe.sizes import parameter_counts
 
     reader = HFCheckpointReader(folder)
     held = sum(math.prod(reader.shape(key)) for key in reader.keys())  # noqa: SIM118 (a reader, not a dict)
-    with torch.device("meta"):
-        described = sum(p.numel() for p in Qwen35MoeModel(args).parameters())
+    described = parameter_counts(args).total
     if described != held:
         raise ValueError(f"config.json describes {described:,} parameters but the weights hold {held:,} elements")
 
