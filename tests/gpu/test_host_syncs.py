@@ -53,13 +53,17 @@ def test_a_steps_metrics_are_read_without_waiting_for_the_work_queued_after_them
     import time
 
     from harness.metrics import DeviceClock
+    from harness.objective import StepLosses
     from harness.step_metrics import NAMES, StepValues
 
     clock = DeviceClock(torch.device("cuda"))
     torch.cuda.synchronize()
     began = clock.now()
-    values = torch.arange(6.0, device="cuda") * 2
-    pending = StepValues(1, values, clock, NAMES)
+    scalars = torch.arange(4.0, device="cuda") * 2
+    # one layer of 4 experts, 3 + 1 assignments over an even 1: the busiest expert 3x, the busier of 2 EP ranks 2x
+    counts = torch.tensor([[3.0, 1.0, 0.0, 0.0]], device="cuda")
+    losses = StepLosses(scalars[0], scalars[1], scalars[2], counts)
+    pending = StepValues(1, losses, scalars[3], 2, clock, NAMES)
     torch.cuda._sleep(1_000_000_000)  # the "next step": 10^9 GPU cycles, >= 0.5 s at H100/H200 clocks (<= 2 GHz)
     start = time.perf_counter()
     read = pending.read()
@@ -67,6 +71,6 @@ def test_a_steps_metrics_are_read_without_waiting_for_the_work_queued_after_them
     step_seconds = clock.seconds(began, pending.ended)
     still_busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
-    assert read == dict(zip(NAMES, [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]))
+    assert read == dict(zip(NAMES, [0.0, 2.0, 4.0, 6.0, 3.0, 2.0]))
     assert still_busy and waited < 0.1, (waited, still_busy)
     assert step_seconds < 0.1 <= clock.seconds(began, clock.now()), step_seconds  # the next step's time is not its
