@@ -6,6 +6,8 @@ export's time and size (the merged model, and the PEFT adapter).
 
     python scripts/make_release_checkpoint.py /dev/shm/base --device cuda
     python benchmarks/lora_one_gpu.py --base /dev/shm/base --work /dev/shm/lora [--delete-base-after-load]
+    python benchmarks/lora_one_gpu.py --base /dev/shm/base --work /dev/shm/lora80 \
+        --config train_configs/qwen35_moe_lora_80gb.toml              # the one-80-GB-card config
 
 `--delete-base-after-load` removes the base folder once the first step has run (the base is in GPU memory by then):
 on a host whose memory file system holds the base or the export but not both. Trainer flags go after `--`.
@@ -26,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from memory_model import Setup, predict_gib  # noqa: E402
 
+from harness.config import load_config  # noqa: E402
 from models.qwen35_moe import get_flavor  # noqa: E402
 
 
@@ -44,6 +47,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", required=True, help="the release-shaped HF folder (weights, tokenizer)")
     parser.add_argument("--work", required=True, help="dump folder of the run (its checkpoint and export)")
+    parser.add_argument("--config", default=str(REPO / "train_configs" / "qwen35_moe_lora.toml"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--delete-base-after-load", action="store_true")
@@ -51,7 +55,7 @@ def main() -> int:
     ns = parser.parse_args()
     work, base = Path(ns.work), Path(ns.base)
     data = chat_rows(work.parent / (work.name + "-data"), 20000)
-    argv = [sys.executable, "-m", "harness.train", "--config", str(REPO / "train_configs" / "qwen35_moe_lora.toml"),
+    argv = [sys.executable, "-m", "harness.train", "--config", ns.config,
             "--model.tokenizer_path", str(base), "--checkpoint.initial_load_hf", str(base),
             "--training.dataset_path", str(data), "--training.steps", str(ns.steps),
             "--checkpoint.interval", str(ns.steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
@@ -83,11 +87,18 @@ def main() -> int:
     rate = sorted(r["tokens_per_sec"] for r in steps)[len(steps) // 2] if steps else float("nan")
     mfu = sorted(r.get("mfu") or 0 for r in steps)[len(steps) // 2] if steps else float("nan")
     peak = max(r["max_memory_gib"] for r in records if "loss" in r)
-    predicted = predict_gib(get_flavor("35B-A3B"), Setup(gpus=1, lora_rank=16, local_batch=4))
+    reserved = max(r.get("max_reserved_gib", float("nan")) for r in records if "loss" in r)
+    cfg = load_config(["--config", ns.config, *ns.trainer_flags])
+    setup = Setup(gpus=1, lora_rank=cfg.lora.rank, expert_rank=cfg.lora.expert_rank,
+                  local_batch=cfg.training.local_batch_size,
+                  accumulate=cfg.training.global_batch_size > cfg.training.local_batch_size)
+    predicted = predict_gib(get_flavor("35B-A3B"), setup)
+    built = re.findall(r"GPU memory with the model built: ([\d.]+) GiB", text)
     print(f"bench: base loaded and model built {marks.get('built', float('nan')):.0f} s after start; first step done "
           f"at {marks.get('first_step', float('nan')):.0f} s")
     print(f"bench: {rate:,.0f} tokens/s (median of steps {ns.warmup + 1}-{ns.steps}), MFU {mfu:.1%}, peak "
-          f"{peak:.1f} GiB (memory model: {predicted:.1f} GiB)")
+          f"{peak:.1f} GiB allocated, {reserved:.1f} GiB reserved (memory model, {setup}: {predicted:.1f} GiB); "
+          f"{built[0] if built else '?'} GiB allocated once the model was built")
     checkpoint = work / "checkpoint" / f"step-{ns.steps}"
     if checkpoint.is_dir():
         print(f"bench: checkpoint {folder_gib(checkpoint):.2f} GiB, save held training up {saved[-1] if saved else '?'} s")

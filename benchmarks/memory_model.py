@@ -67,6 +67,8 @@ class Setup:
     ac: str = "full"
     lora_rank: int = 0  # LoRA on lora.py's default targets; 0: a full fine-tune
     expert_rank: int = 0  # LoRA's lora.expert_rank (0: lora_rank)
+    accumulate: bool = False  # more than one micro-batch a step: LoRA's fp32 gradients held apart from the bf16 copies
+    mtp_on_host: bool = True  # one GPU, LoRA: the frozen MTP layer held on the host (harness/model_setup.py)
     loss_chunk: int = CHUNK_TOKENS  # training.loss_chunk_tokens
 
 
@@ -76,7 +78,8 @@ def parameter_counts(args: Qwen35MoeArgs) -> dict[str, int]:
     named = list(model.named_parameters())
     experts = sum(p.numel() for n, p in named if ".experts." in n)
     root = sum(p.numel() for n, p in named if not n.startswith("layers."))
-    return {"total": sum(p.numel() for _, p in named), "experts": experts, "root": root}
+    mtp = sum(p.numel() for n, p in named if n.startswith("mtp."))
+    return {"total": sum(p.numel() for _, p in named), "experts": experts, "root": root, "mtp": mtp}
 
 
 def fla_state_bytes(args: Qwen35MoeArgs) -> int:
@@ -94,9 +97,11 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     block_dense = (counts["total"] - counts["experts"] - counts["root"]) / layers
     block = block_dense + counts["experts"] / layers / s.ep
     gathered = GATHER_BYTES * block
-    if s.lora_rank:  # the base frozen in bf16 (2 B), the adapters as any trained parameter (16 B)
+    if s.lora_rank:  # the base frozen in bf16 (2 B); an adapter parameter 16 B: fp32 weight, its bf16 copy holding
+        # the gradient, AdamW's two fp32 moments; 18 B with accumulation (an fp32 gradient beside the copy)
         lora = LoraArgs(rank=s.lora_rank, alpha=2.0 * s.lora_rank, expert_rank=s.expert_rank)
-        states = (2 * counts["total"] + 16 * adapter_count(args, lora)) / shards
+        frozen = counts["total"] - (counts["mtp"] if s.mtp_on_host and shards == 1 else 0)
+        states = (2 * frozen + (18 if s.accumulate else 16) * adapter_count(args, lora)) / shards
         gathered = 0 if shards == 1 else gathered  # one GPU: no FSDP, nothing gathered
     tokens = s.seq * s.local_batch // s.cp
     gdn_layers = sum(t == "linear_attention" for t in args.layer_types)

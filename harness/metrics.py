@@ -74,6 +74,12 @@ def max_memory_gib(device: torch.device) -> float:
     return kib / 1024**2
 
 
+def max_reserved_gib(device: torch.device) -> float | None:
+    """Peak memory the CUDA allocator held from the device (allocated, plus what fragmentation left free in its
+    segments): what must fit the card. None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 1024**3 if device.type == "cuda" else None
+
+
 def _split_records(data: bytes, step: int) -> tuple[bytes, list[bytes]]:
     """(the lines of a metrics.jsonl whose step is at most `step`, the damaged lines): a line is damaged when it is
     not UTF-8, not a JSON object, or holds no integer step (a line cut by a kill, a byte flipped on disk, an edit)."""

@@ -1,7 +1,8 @@
 """The model of a run: its shape from the config, then built on meta, parallelized, materialised and filled.
 
 Order: model on the meta device -> FLA kernel check (CUDA) -> parallelize (AC, compile, FSDP) -> materialise on
-the device -> initial weights from the seed (the same at any world size) or from an HF checkpoint.
+the device -> initial weights from the seed (the same at any world size) or from an HF checkpoint -> frozen MTP
+layers to the host (one GPU: no step runs them).
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ def trains_mtp(cfg: JobConfig, model: Qwen35MoeModel, lora: LoraRun | None) -> b
     """Whether the run trains the model's MTP layers (it has some, their loss has a weight and, under LoRA, they
     have adapters)."""
     return model.mtp is not None and cfg.training.mtp_loss_coef > 0 and (lora is None or lora.trains_mtp)
+
+
+def hold_on_host(mtp: torch.nn.Module, device: torch.device) -> None:
+    """Move frozen MTP layers, which no step runs, to the host: their GPU memory goes to the step (1.5 GiB of
+    35B-A3B's in bf16), and the export and checkpoints read them from there. Drawn or loaded on the GPU first, so a
+    base drawn from the seed is the one the run's device draws (init.py: CPU and CUDA generators differ)."""
+    held = sum(p.numel() * p.element_size() for p in mtp.parameters())
+    mtp.to("cpu")
+    torch.cuda.empty_cache()  # the freed blocks back to the device, not kept for tensors of the MTP's sizes
+    logger.info("MTP layers held on the host until the export reads them: %.2f GiB of %s spared", held / 1024**3,
+                device)
 
 
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
@@ -107,10 +119,14 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
+    if model.mtp is not None and not train_mtp and on_gpu and not isinstance(model, FSDPModule):
+        hold_on_host(model.mtp, device)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     share = "" if trained == total else f", {trained / 1e6:.2f}M of them trained ({trained / total:.2%})"
     logger.info("model %s: %.2fM parameters%s; %s on %s", shape, total / 1e6, share,
                 "FSDP" if isinstance(model, FSDPModule) else "one process, no FSDP", device)
+    if on_gpu:  # the weights' share of the peak; the step adds optimizer state and activations
+        logger.info("GPU memory with the model built: %.2f GiB allocated", torch.cuda.memory_allocated(device) / 1024**3)
     return model

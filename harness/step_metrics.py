@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .metrics import DeviceClock, MetricsLogger, max_memory_gib
+from .metrics import DeviceClock, MetricsLogger, max_memory_gib, max_reserved_gib
 from .objective import StepLosses, routing_loads
 
 NAMES = ("loss", "aux_loss", "mtp_loss", "grad_norm", "expert_load", "ep_rank_load")
@@ -137,5 +137,7 @@ class StepLog:
         # MFU of this rank's rows (CP ranks share theirs), attention counted by their real documents
         flops = self.flops_per_token(sum(w[1] for w in done) / len(done))
         mfu = None if self.peak_flops is None else tps * flops / self.peak_flops
+        reserved = max_reserved_gib(self.device)
         self.metrics.log(step, {**last, "lr": done[-1][2], "tokens_per_sec": tps, "mfu": mfu,
-                                "max_memory_gib": max_memory_gib(self.device)})
+                                "max_memory_gib": max_memory_gib(self.device),
+                                **({} if reserved is None else {"max_reserved_gib": reserved})})

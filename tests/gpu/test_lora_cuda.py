@@ -56,3 +56,37 @@ def test_compiled_checkpointed_lora_training_follows_the_eager_run(tmp_path):
     for e, c in zip(eager, compiled):
         assert c["loss"] == pytest.approx(e["loss"], rel=5e-3)  # bf16: compiled graphs round differently
     assert eager[-1]["loss"] < eager[0]["loss"] - 0.05  # the adapters learn
+
+
+def test_a_frozen_mtp_layer_waits_on_the_host_and_reaches_the_export_as_loaded(tmp_path, capfd):
+    """One GPU, LoRA, lora.mtp false: no step runs the MTP layer, so it is held on the host (model_setup.hold_on_host)
+    and the GPU's memory goes to the step. The run trains, saves, resumes, and its merged export carries the MTP
+    tensors exactly as the base folder on disk holds them (the reference: the files, not the model)."""
+    from safetensors import safe_open
+
+    from harness.checkpoint.hf_weights import export_hf
+    from models.qwen35_moe import get_flavor
+    from tests.builders import initialized_model
+
+    flavor = get_flavor("debugmodel_mtp")
+    base = tmp_path / "base"
+    export_hf(initialized_model(flavor, 3), flavor, str(base), torch.bfloat16)
+    flags = ["--config", str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "debugmodel_mtp",
+             "--lora.enable", "true", "--checkpoint.initial_load_hf", str(base), "--checkpoint.enable", "true",
+             "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "false", "--job.dump_folder",
+             str(tmp_path / "run")]
+    assert main([*flags, "--training.steps", "2", "--checkpoint.export_hf_at_end", "false"]) == 0
+    assert "MTP layers held on the host" in capfd.readouterr().err
+    assert main([*flags, "--training.steps", "4"]) == 0  # resumes from step 2, exports at the end
+
+    def mtp_tensors(folder: Path) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for shard in folder.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys() if ".mtp." in k or k.startswith("mtp.")})
+        return tensors
+
+    loaded, exported = mtp_tensors(base), mtp_tensors(tmp_path / "run" / "hf")
+    assert loaded and exported.keys() == loaded.keys()
+    for key, value in loaded.items():
+        assert torch.equal(exported[key], value), key
