@@ -1,16 +1,23 @@
 """Our trainer against torchtitan 0.3.0's own Qwen3.5-MoE and a plain transformers loop: the same shapes, rows and
-initial weights, each contender in a fresh process of its own (its own compile, its own memory peak).
+initial weights, each contender in a fresh process of its own (its own compile, its own memory peak). With
+`--lora RANK`, our LoRA trainer against the same transformers loop with PEFT's LoRA, from the same adapters.
 
     python benchmarks/peer_torchtitan.py --layers 8 --experts 32 --batch 2 --ac none
     python benchmarks/peer_torchtitan.py --layers 4 --experts 256 --batch 8 --ac full --only ours,torchtitan
+    python benchmarks/peer_torchtitan.py --layers 8 --experts 32 --batch 2 --ac none --lora 16 --only ours,peft \
+        --steps 20 --warmup 5
+    python benchmarks/peer_torchtitan.py --layers 4 --experts 256 --batch 4 --ac full --lora 16 --only ours,peft \
+        --steps 20 --warmup 5
     python benchmarks/peer_torchtitan.py --flavor debugmodel --layers 4 --experts 8 --seq 256 --steps 3 --warmup 1
+    python benchmarks/peer_torchtitan.py --flavor debugmodel --layers 4 --experts 8 --seq 256 --steps 3 --warmup 1 \
+        --lora 8 --only ours,peft
 
-The last runs on CPU in well under a minute: a check of the script, not a benchmark (torchtitan's FLA and
+The last two run on CPU in well under a minute: checks of the script, not benchmarks (torchtitan's FLA and
 FlexAttention kernels, GPU only, are replaced there by plain PyTorch references, and it says so). With `--work DIR`
 the rows and initial weights made there are reused by a later invocation of the same model and rows, and the
 results of contenders run there earlier with the same settings are reported beside those just run: one contender
 per invocation (`--only ours`, then `--only torchtitan`, then `--only transformers`) each within a time limit.
-FLA_CACHE_MODE / FLA_CONFIG_DIR (benchmarks/fla_configs, tuned for FLA 0.6) reach ours and transformers only.
+FLA_CACHE_MODE / FLA_CONFIG_DIR (benchmarks/fla_configs, tuned for FLA 0.6) reach every contender but torchtitan.
 
 torchtitan runs on packages of its own, installed once into a folder that goes first on the PYTHONPATH of its
 process alone (`--torchtitan-site`): torchtitan 0.3.0 imports `fla.modules.conv.triton.ops`, which fla-core 0.5.2
@@ -50,8 +57,26 @@ All three start from one HF folder of our model's initial weights, train on the 
 and our optimizer settings: AdamW lr, betas, eps, weight decay on matrices only, our warm-up and decay schedule,
 gradient clipping at training.max_norm. torchtitan and transformers are timed per step around the whole step.
 
+LoRA mode (`--lora RANK`, `--lora-expert-rank` our lora.expert_rank, `--lora-alpha`, default twice the rank; the
+contenders are ours and peft):
+- ours: as above with `--lora.enable true --lora.rank --lora.expert_rank --lora.alpha` (our default targets: the
+  attention and Gated DeltaNet projections, the shared and the routed experts; MTP frozen): the frozen base in bf16
+  on a GPU, fp32 adapters.
+- peft: the transformers contender's model (bf16 on a GPU, fp32 on CPU), loop and rows, its base frozen, with
+  `peft.PeftModel.from_pretrained(model, folder, is_trainable=True)` on a PEFT folder that holds our initial adapters:
+  our model with LoRA is built and drawn from the run's seed as our trainer does it (harness/model_setup.py), on the
+  contenders' device (CPU and CUDA generators draw different numbers), and written by harness/lora/peft.py (dense
+  projections as target_modules, the routed experts' gate_up_proj / down_proj as target_parameters, the expert rank
+  as rank_pattern). PEFT keeps the adapters in fp32 (autocast_adapter_dtype); each loaded tensor is checked equal to
+  ours and to be all PEFT trains, and every one to get a gradient (AC `full`: gradient checkpointing per decoder
+  layer, non-reentrant). torch's AdamW on the adapters with our settings and schedule, clipping as above.
+Our run records a digest of the adapters it starts from (its model as the trainer built it) and the report says
+whether they are PEFT's. At these few steps the losses cannot tell adapters apart (B starts at zero, and one Adam step
+of B moves the loss little), so that digest is the check of the common start.
+
 Prints per contender tokens/s (median over the steps after `--warmup`), MFU by our formula
-(models/qwen35_moe/flops.py training_flops_per_token, attention credited by the rows' documents as hf_baseline.py does),
+(models/qwen35_moe/flops.py training_flops_per_token, attention credited by the rows' documents as hf_baseline.py does;
+in LoRA mode both contenders credited the adapter parameters a token touches as our trainer counts them),
 peak memory and losses; the ratios of ours to the others; each step's loss and the largest difference from ours.
 A contender that fails (import, compile, out of memory) is reported with its log's last lines.
 """
@@ -61,6 +86,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -80,8 +106,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONTENDERS = ("ours", "torchtitan", "transformers")
-LABELS = {"ours": "ours", "torchtitan": "torchtitan 0.3.0", "transformers": "transformers loop"}
+FULL = ("ours", "torchtitan", "transformers")  # full fine-tuning, the default
+LORA = ("ours", "peft")  # with --lora RANK
+CONTENDERS = (*FULL, "peft")
+LABELS = {"ours": "ours", "torchtitan": "torchtitan 0.3.0", "transformers": "transformers loop",
+          "peft": "transformers + PEFT"}
 IGNORE_INDEX = -100
 TORCHTITAN_ONLY = ("torchtitan_compile", "torchtitan_recompile_limit")  # settings no other contender reads
 NO_DECAY = r"(norm\.weight|A_log|dt_bias)$"  # torchtitan's 1-D parameters: no weight decay, as ours
@@ -101,7 +130,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch.compile (default: on a GPU only)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the figures")
-    parser.add_argument("--only", default=",".join(CONTENDERS), help="contenders to run, comma-separated")
+    parser.add_argument("--only", default=None, help=f"contenders to run, comma-separated (default: {','.join(FULL)}; "
+                                                     f"with --lora: {','.join(LORA)})")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="LoRA at this rank (lora.rank): ours with lora.enable against transformers + PEFT "
+                             "(0: full fine-tuning)")
+    parser.add_argument("--lora-expert-rank", type=int, default=0, metavar="RANK",
+                        help="the routed experts' own rank (lora.expert_rank; 0: --lora's)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="lora.alpha (default: twice --lora)")
     parser.add_argument("--torchtitan-site", default="/tmp/site_tt", help="folder holding torchtitan's packages")
     parser.add_argument("--torchtitan-compile", choices=("graph-breaks", "as-is"), default="graph-breaks",
                         help="as-is: parallelize_qwen3_5 as it is (blocks checkpointed, then compiled with "
@@ -115,9 +151,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="our trainer's overrides, after --; the shapes, AC, compile and "
                                                      "optimizer settings they set apply to all three")
     ns = parser.parse_args(argv)
-    ns.only = [name.strip() for name in ns.only.split(",") if name.strip()]
-    if not ns.only or set(ns.only) - set(CONTENDERS):
-        parser.error(f"--only takes some of {', '.join(CONTENDERS)}; got {ns.only}")
+    if ns.lora < 0 or ns.lora_expert_rank < 0:
+        parser.error(f"--lora ({ns.lora}) and --lora-expert-rank ({ns.lora_expert_rank}) take a rank, or 0")
+    if ns.lora_alpha is None:
+        ns.lora_alpha = 2.0 * ns.lora
+    mode = LORA if ns.lora else FULL
+    ns.only = [name.strip() for name in (ns.only or ",".join(mode)).split(",") if name.strip()]
+    if not ns.only or set(ns.only) - set(mode):
+        parser.error(f"--only takes some of {', '.join(mode)} {'with' if ns.lora else 'without'} --lora; got "
+                     f"{ns.only}")
     if ns.steps <= ns.warmup:
         parser.error(f"--steps ({ns.steps}) must exceed --warmup ({ns.warmup}): no step would be timed")
     return ns
@@ -131,7 +173,15 @@ def our_argv(ns: argparse.Namespace, work: Path, compile_: bool) -> list[str]:
             "--checkpoint.export_hf_at_end", "false", "--training.dataset_cache_dir", str(work / "cache"),
             "--checkpoint.initial_load_hf", str(work / "hf"), "--training.local_batch_size", str(ns.batch),
             *(["--training.seq_len", str(ns.seq)] if ns.seq else []), "--activation_checkpoint.mode", ns.ac,
-            "--compile.enable", str(compile_).lower(), *ns.overrides]
+            "--compile.enable", str(compile_).lower(), *lora_flags(ns), *ns.overrides]
+
+
+def lora_flags(ns: argparse.Namespace) -> list[str]:
+    """Our trainer's LoRA flags for --lora (none without it): our default targets, the MTP layers frozen."""
+    if not ns.lora:
+        return []
+    return ["--lora.enable", "true", "--lora.rank", str(ns.lora), "--lora.expert_rank", str(ns.lora_expert_rank),
+            "--lora.alpha", f"{ns.lora_alpha:g}"]
 
 
 def the_rows(cfg, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -262,6 +312,11 @@ def report(ns, spec: dict, results: dict[str, dict], flops: float, device: str) 
                      "only) replaced by plain PyTorch references (token-by-token gated delta rule, causal conv, SDPA)")
     lines.append(f"same initial weights ({spec['folder']}), same rows ({spec['steps']} batches of our pipeline, mean "
                  f"attended keys per token {spec['attended']:.0f})")
+    lora = spec.get("lora")
+    if lora:
+        lines.append(f"LoRA rank {lora['rank']} (routed experts {lora['expert_rank'] or lora['rank']}), alpha "
+                     f"{lora['alpha']:g} on {' '.join(lora['targets'])}; MFU credits the {spec['adapter_flops_params']:,} "
+                     f"adapter parameters a token touches 6 FLOPs each, the frozen weights 4")
     ran = {name: r for name, r in results.items() if "error" not in r}
     for name, r in results.items():
         if "error" in r:
@@ -286,15 +341,40 @@ def report(ns, spec: dict, results: dict[str, dict], flops: float, device: str) 
             diffs = [abs(a - b) for a, b in zip(ran[name]["losses"], ran["ours"]["losses"])]
             lines.append(f"  {LABELS[name]} vs ours: max |loss difference| {max(diffs):.5f} over {len(diffs)} steps, "
                          f"{diffs[0]:.5f} at step 1 (same weights, same rows, before any update)")
+    if "ours" in ran and "peft" in ran:
+        lines.append("  " + same_initial_adapters(ran["ours"].get("adapters_sha256"), ran["peft"].get("adapters_sha256")))
     for name, r in ran.items():
         lines += [f"  {LABELS[name]}: {note}" for note in r.get("notes", [])]
     return lines
+
+
+def adapter_flops_params(args, lora) -> int:
+    """The adapter parameters one token touches, as our trainer credits them (harness/trainer.py: LoraRun's
+    adapter_flops_params on the model it converted; the benchmark model has no MTP layer): both LoRA contenders are
+    credited these FLOPs."""
+    from harness.lora.run import LoraRun
+    from models.qwen35_moe import Qwen35MoeModel
+
+    with torch.device("meta"):
+        model = Qwen35MoeModel(args)
+    run = LoraRun(lora, "", None)
+    run.convert(model, None)
+    return run.adapter_flops_params(model, args.num_experts_per_tok, train_mtp=False)
+
+
+def same_initial_adapters(ours: str | None, peft: str | None) -> str:
+    """The line comparing the digests of the adapters our trainer started from and of those PEFT loaded."""
+    if ours is not None and ours == peft:
+        return f"initial adapters: ours and those PEFT loaded are the same (sha256 {ours[:16]})"
+    return (f"initial adapters DIFFER: ours sha256 {(ours or 'not recorded')[:16]}, PEFT's {(peft or 'not recorded')[:16]}"
+            ": the two did not start from the same weights")
 
 
 def main_parent(ns: argparse.Namespace) -> int:
     from bench_model import bench_args
 
     from harness.config import load_config
+    from harness.lora.settings import lora_args_of
     from harness.metrics import mean_attended_keys
     from models.qwen35_moe.flops import training_flops_per_token
 
@@ -308,6 +388,10 @@ def main_parent(ns: argparse.Namespace) -> int:
     batches = shared_inputs(args, cfg, ns.steps, work)
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
     attended = sum(mean_attended_keys(b["position_ids"]) for b in batches) / len(batches)
+    lora = lora_args_of(cfg)  # --lora's settings with any [lora] override after --, for both LoRA contenders
+    if (lora is None) != (not ns.lora):
+        raise SystemExit("the overrides after -- turn LoRA on or off: use --lora RANK (0: off) instead")
+    adapters = adapter_flops_params(args, lora) if lora is not None else None
     spec = {"model": args.to_hf_config(), "argv": argv, "folder": str(work / "hf"),
             "batches": str(work / "batches.pt"), "steps": ns.steps,
             "warmup": ns.warmup, "seq": t.seq_len, "batch": t.local_batch_size, "ac": cfg.activation_checkpoint.mode,
@@ -315,14 +399,16 @@ def main_parent(ns: argparse.Namespace) -> int:
             "adamw": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
             "schedule": {"warmup_steps": s.warmup_steps, "decay_ratio": s.decay_ratio, "decay_type": s.decay_type,
                          "min_lr_factor": s.min_lr_factor},
-            "torchtitan_compile": ns.torchtitan_compile, "torchtitan_recompile_limit": ns.torchtitan_recompile_limit}
+            "torchtitan_compile": ns.torchtitan_compile, "torchtitan_recompile_limit": ns.torchtitan_recompile_limit,
+            "seed": t.seed, "lora": None if lora is None else dataclasses.asdict(lora), "adapter_flops_params": adapters}
     (work / "spec.json").write_text(json.dumps(spec, indent=1))
     results = {}
-    for name in CONTENDERS:
+    for name in LORA if lora is not None else FULL:
         result = launch(name, work, ns.torchtitan_site) if name in ns.only else earlier_result(work, name, spec)
         if result is not None:
             results[name] = result
-    print("\n".join(report(ns, spec, results, training_flops_per_token(args, attended), device)))
+    flops = training_flops_per_token(args, attended, adapter_params=adapters)
+    print("\n".join(report(ns, spec, results, flops, device)))
     return 0
 
 
@@ -364,18 +450,26 @@ def run_ours(spec: dict, work: Path) -> dict:
     from bench_model import run_figures, step_losses
 
     import harness.data_setup
+    import harness.trainer
     from harness.config import load_config
     from harness.metrics import peak_flops
     from harness.train import main as train_main
     from models.qwen35_moe import Qwen35MoeArgs
 
     expected, loaders, build = torch.load(spec["batches"]), [], harness.data_setup.build_dataloader
+    digests, build_model = [], harness.trainer.build_model
 
     def checked_loader(*args, **kwargs):
         loaders.append(CheckedLoader(build(*args, **kwargs), expected))
         return loaders[-1]
 
+    def recorded_model(*args, **kwargs):  # the adapters the run starts from, for the report to compare with PEFT's
+        model = build_model(*args, **kwargs)
+        digests.append(adapters_sha256(adapter_tensors(model)))
+        return model
+
     harness.data_setup.build_dataloader = checked_loader  # what the trainer's loaders are built by
+    harness.trainer.build_model = recorded_model  # what the trainer's model is built by
     if train_main(spec["argv"]) != 0:
         raise SystemExit("our trainer failed")
     cfg = load_config(spec["argv"])
@@ -384,16 +478,49 @@ def run_ours(spec: dict, work: Path) -> dict:
     balance = cfg.training.aux_loss_coef
     if balance < 0:  # the model's own
         balance = Qwen35MoeArgs.from_hf_config(spec["folder"]).router_aux_loss_coef
+    notes = [f"read the corpus itself; its {loaders[0].checked} batches equal the saved rows",
+             f"trains with the MoE balance loss (weight {balance:g}) too; its losses above are the cross entropy"]
+    if spec.get("lora"):
+        cuda = the_device().type == "cuda"
+        notes.append(f"lora.enable: {cfg.training.mixed_precision_param if cuda else 'fp32'} frozen base (no gradient "
+                     f"or optimizer state), fp32 adapters and AdamW states{', bf16 compute' if cuda else ''}, the "
+                     f"routed experts' adapters {'as grouped GEMMs' if cuda else 'expert by expert'} beside the "
+                     f"base's; compile {'on' if spec['compile'] else 'off'}")
     return {"tokens_per_sec": figures["tokens_per_sec"], "max_memory_gib": figures["max_memory_gib"],
             "losses": [losses[step] for step in sorted(losses)], "peak_flops": peak_flops(the_device()),
-            "notes": [f"read the corpus itself; its {loaders[0].checked} batches equal the saved rows",
-                      f"trains with the MoE balance loss (weight {balance:g}) too; its losses above are the cross "
-                      f"entropy"]}
+            "adapters_sha256": digests[0] if spec.get("lora") else None, "notes": notes}
+
+
+def hf_optimizer(params: list[torch.nn.Parameter], spec: dict) -> torch.optim.AdamW:
+    """torch's AdamW over the trained parameters with our settings: weight decay on matrices only, as ours."""
+    a = spec["adamw"]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": a["weight_decay"]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=a["lr"], betas=tuple(a["betas"]), eps=a["eps"])
+
+
+def hf_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A transformers model's loss on plain rows with our labels (next tokens, none across a document boundary), as
+    the others'."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+
+
+def hf_train(model, spec: dict) -> dict:
+    """hf_baseline.py's loop over the saved rows: the trained parameters, our optimizer settings, our schedule, our
+    clipping."""
+    from hf_baseline import train_loop
+
+    optimizer = hf_optimizer([p for p in model.parameters() if p.requires_grad], spec)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(spec))
+    return train_loop(model, optimizer, torch.load(spec["batches"]), the_device(), spec["warmup"], hf_loss,
+                      max_norm=spec["max_norm"], scheduler=scheduler)
 
 
 def run_transformers(spec: dict, work: Path) -> dict:
-    import torch.nn.functional as F
-    from hf_baseline import train_loop, transformers_model
+    from hf_baseline import transformers_model
 
     from harness.metrics import peak_flops
     from models.qwen35_moe import Qwen35MoeArgs
@@ -402,24 +529,126 @@ def run_transformers(spec: dict, work: Path) -> dict:
     model = transformers_model(Qwen35MoeArgs.from_hf_config(folder), device, folder)
     if spec["ac"] != "none":  # transformers' own: each decoder layer recomputed in the backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    a = spec["adamw"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": a["weight_decay"]},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=a["lr"], betas=tuple(a["betas"]), eps=a["eps"])
-
-    def loss_of(model, batch):  # our labels (next tokens, none across a document boundary), as the others'
-        logits = model(input_ids=batch["input_ids"]).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(spec))
-    result = train_loop(model, optimizer, torch.load(spec["batches"]), device, spec["warmup"], loss_of,
-                        max_norm=spec["max_norm"], scheduler=scheduler)
+    result = hf_train(model, spec)
     return {**result, "peak_flops": peak_flops(device),
             "notes": [f"plain rows: attends across documents and carries the GDN state over them (no position ids "
                       f"or document masks); {'bf16' if device.type == 'cuda' else 'fp32'} weights and AdamW states "
                       f"(torch's default AdamW); not compiled; AC "
                       f"{'per decoder layer' if spec['ac'] != 'none' else 'none'}"]}
+
+
+def lora_args(spec: dict):
+    from models.qwen35_moe.lora_targets import LoraArgs
+
+    return LoraArgs(**{**spec["lora"], "targets": tuple(spec["lora"]["targets"])})
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our model's adapters by their native keys (models/qwen35_moe/lora_targets.py), fp32 on the host."""
+    from torch.distributed.tensor import DTensor
+
+    from models.qwen35_moe.hooks import canonical_name  # less the wrappers AC and compile put in a name
+    from models.qwen35_moe.lora_targets import is_adapter_key
+
+    tensors = {}
+    for name, param in model.named_parameters():
+        if is_adapter_key(canonical_name(name)):
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            tensors[canonical_name(name)] = whole.detach().to("cpu", torch.float32)
+    return tensors
+
+
+def adapters_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of adapters by native key: their keys, shapes and fp32 values."""
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        digest.update(f"{key}:{tuple(tensors[key].shape)}".encode())
+        digest.update(tensors[key].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def our_initial_adapters(args, lora, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Our LoRA model's initial adapters, drawn as our trainer draws them (harness/model_setup.py build_model: built
+    on meta, converted by the run's LoRA part, materialised on the device, then init_weights(seed)). Each is drawn
+    from (seed, its name) on the device: the same on one device type at any sharding, but CPU and CUDA generators
+    draw different numbers (models/qwen35_moe/init.py), so they are drawn on the device the contenders train on."""
+    from harness.lora.run import LoraRun
+    from models.qwen35_moe import Qwen35MoeModel
+
+    with torch.device("meta"):
+        model = Qwen35MoeModel(args)
+    LoraRun(lora, "", seed).convert(model, torch.bfloat16 if device.type == "cuda" else None)  # the base held as ours
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    tensors = adapter_tensors(model)
+    del model
+    if device.type == "cuda":  # the base drawn alongside, gone before the contender's own model and memory peak
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return tensors
+
+
+def check_loaded_adapters(model, ours: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Checks that PEFT's model trains exactly our adapters, each equal to ours as PEFT holds it (harness/lora/peft.py
+    `to_peft`), the MTP layers' aside (transformers has none); returns how many tensors and parameters."""
+    from peft import get_peft_model_state_dict
+
+    from harness.lora.peft import peft_layout, to_peft
+
+    layout = peft_layout({key: tuple(value.shape) for key, value in ours.items()})
+    loaded = get_peft_model_state_dict(model)  # PEFT's saved names, as the folder holds them
+    if loaded.keys() != layout.native_of.keys():
+        differ = sorted(loaded.keys() ^ layout.native_of.keys())
+        raise SystemExit(f"PEFT adapted other modules than ours: {', '.join(differ[:4])} ({len(differ)} in all)")
+    for key, native in layout.native_of.items():
+        if not torch.equal(loaded[key].detach().to("cpu", torch.float32), to_peft(native, ours[native])):
+            raise SystemExit(f"PEFT's {key} is not our {native} as the PEFT folder holds it")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if sum(p.numel() for p in trained) != sum(ours[native].numel() for native in layout.native_of.values()):
+        raise SystemExit(f"PEFT trains {sum(p.numel() for p in trained):,} parameters, not just our adapters'")
+    return len(layout.native_of), sum(p.numel() for p in trained)
+
+
+def run_peft(spec: dict, work: Path) -> dict:
+    import peft
+    from hf_baseline import transformers_model
+    from peft import PeftModel
+
+    from harness.lora.peft import write_peft_adapter
+    from harness.metrics import peak_flops
+    from models.qwen35_moe import Qwen35MoeArgs
+
+    device, folder, lora = the_device(), Path(spec["folder"]), lora_args(spec)
+    args = Qwen35MoeArgs.from_hf_config(folder)
+    ours = our_initial_adapters(args, lora, spec["seed"], device)
+    adapters = work / "peft-adapter"
+    write_peft_adapter(adapters, lora, {key: tuple(value.shape) for key, value in ours.items()}, ours.__getitem__,
+                       base=str(folder))
+    model = transformers_model(args, device, folder)  # the transformers contender's; bf16 on a GPU, fp32 on CPU
+    if spec["ac"] != "none":  # transformers' own, on the base model PEFT wraps: each decoder layer recomputed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = PeftModel.from_pretrained(model, adapters, is_trainable=True)  # adapters in fp32 (autocast_adapter_dtype)
+    tensors, params = check_loaded_adapters(model, ours)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    reached = set()
+    for p in trained:  # with AC too: the gradients must reach every adapter through the recomputed layers
+        p.register_post_accumulate_grad_hook(lambda p: reached.add(id(p)))
+    result = hf_train(model, spec)
+    if len(reached) != len(trained):
+        raise SystemExit(f"no gradient reached {len(trained) - len(reached)} of PEFT's {len(trained)} adapter tensors")
+    base = {"cuda": "bf16"}.get(device.type, "fp32")
+    dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trained}))
+    return {**result, "peak_flops": peak_flops(device), "adapters_sha256": adapters_sha256(ours),
+            "notes": [f"the transformers loop's model and rows (attends across documents), its {base} base frozen, "
+                      f"with peft {peft.__version__}'s PeftModel.from_pretrained(is_trainable=True) on a PEFT folder "
+                      f"of our initial adapters ({adapters}, written by harness/lora/peft.py from our model with "
+                      f"LoRA drawn from seed {spec['seed']} on {device.type} as our trainer draws it)",
+                      f"PEFT trains exactly our adapters: {tensors} tensors, {params:,} parameters, each equal to "
+                      f"ours as loaded; gradients reached all of them",
+                      f"adapters and AdamW states {dtypes} (PEFT's autocast_adapter_dtype), dense adapters computed "
+                      f"in {dtypes} (PEFT casts their input), the routed experts' through PEFT's ParamWrapper "
+                      f"(W + s B A formed in the {base} base's dtype at every forward); torch's default AdamW; not "
+                      f"compiled; AC {'per decoder layer' if spec['ac'] != 'none' else 'none'}"]}
 
 
 # What torchtitan 0.3.0 (which follows torch's nightly builds) uses and torch 2.11 lacks, found on torch 2.11 by
@@ -836,7 +1065,8 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
 
 def run_child(name: str, work: Path) -> int:
     spec = json.loads((work / "spec.json").read_text())
-    result = {"ours": run_ours, "torchtitan": run_torchtitan, "transformers": run_transformers}[name](spec, work)
+    run = {"ours": run_ours, "torchtitan": run_torchtitan, "transformers": run_transformers, "peft": run_peft}[name]
+    result = run(spec, work)
     (work / f"{name}.json").write_text(json.dumps({**result, "spec": spec}))
     return 0
 

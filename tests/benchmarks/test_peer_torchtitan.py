@@ -1,6 +1,7 @@
 """benchmarks/peer_torchtitan.py, the parts that run without torchtitan: the report (a contender that failed among
 those that ran), our trainer's batch check, the folder as torchtitan 0.3.0's from_hf reads it, the HF slices its
-parameters are checked against, and the stand-ins for what an older torch lacks."""
+parameters are checked against, the stand-ins for what an older torch lacks, and the LoRA mode's CPU check (ours
+against transformers + PEFT from the same adapters)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.benchmarks.scripts import loaded
+from tests.benchmarks.scripts import loaded, printed_by
 
 
 def test_report_keeps_the_others_when_one_contender_fails():
@@ -65,10 +66,19 @@ def test_results_of_earlier_invocations_count_only_with_the_same_settings(tmp_pa
     assert peer.earlier_result(tmp_path, "torchtitan", spec) is not None
 
 
-def test_only_names_contenders():
+def test_only_names_contenders_of_the_mode():
+    """Full fine-tuning: ours, torchtitan, transformers; with --lora: ours and transformers + PEFT, ours with our
+    LoRA flags (alpha twice the rank unless given)."""
     peer = loaded("peer_torchtitan.py")
     assert peer.parse_args(["--only", "ours, torchtitan"]).only == ["ours", "torchtitan"]
-    for wrong in (["--only", "ours,megatron"], ["--steps", "5", "--warmup", "5"]):
+    assert peer.parse_args([]).only == ["ours", "torchtitan", "transformers"]
+    lora = peer.parse_args(["--lora", "16", "--lora-expert-rank", "8"])
+    assert lora.only == ["ours", "peft"] and lora.lora_alpha == 32.0
+    assert peer.lora_flags(lora) == ["--lora.enable", "true", "--lora.rank", "16", "--lora.expert_rank", "8",
+                                     "--lora.alpha", "32"]
+    assert peer.lora_flags(peer.parse_args([])) == []
+    for wrong in (["--only", "ours,megatron"], ["--steps", "5", "--warmup", "5"], ["--only", "peft"],
+                  ["--lora", "8", "--only", "ours,torchtitan"], ["--lora", "8", "--only", "transformers"]):
         with pytest.raises(SystemExit):
             peer.parse_args(wrong)
 
@@ -162,17 +172,53 @@ def test_the_timed_steps_note_names_the_graphs_compiled_inside_them():
     assert peer.timed_steps_note([1000.0, 990.0], [2, 1, 0, 0], warmup=2).endswith("no dynamo graph compiled in them")
 
 
-def test_our_trainer_builds_its_loader_where_the_script_checks_it(tmp_path, monkeypatch):
-    """run_ours wraps harness.data_setup.build_dataloader to check our trainer's batches against the saved rows: the
-    trainer's loader must be built through that name, or the check would silently check nothing."""
+def test_our_trainer_builds_its_loader_and_model_where_the_script_looks(tmp_path, monkeypatch):
+    """run_ours wraps harness.data_setup.build_dataloader to check our trainer's batches against the saved rows, and
+    harness.trainer.build_model to record the adapters a LoRA run starts from: the trainer must build both through
+    those names, or the checks would silently check nothing."""
     import harness.data_setup
+    import harness.trainer
     from harness.config import DEFAULT_CONFIG, load_config
     from harness.trainer import Trainer
 
     built, real = [], harness.data_setup.build_dataloader
     monkeypatch.setattr(harness.data_setup, "build_dataloader",
                         lambda *args, **kwargs: built.append(args[1]) or real(*args, **kwargs))
+    models, build_model = [], harness.trainer.build_model
+    monkeypatch.setattr(harness.trainer, "build_model",
+                        lambda *args, **kwargs: models.append(build_model(*args, **kwargs)) or models[-1])
     trainer = Trainer(load_config(["--config", str(DEFAULT_CONFIG), "--training.seq_len", "64",
                                    "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)]))
     trainer.close()
     assert len(built) == 1 and built[0].endswith("train.jsonl")
+    assert models == [trainer.model]
+
+
+def test_lora_cpu_check_peft_starts_from_our_adapters_and_agrees_on_the_loss(tmp_path):
+    """The script's LoRA check on CPU, as a user runs it: transformers + PEFT loads a PEFT folder of our initial
+    adapters, trains exactly those (each tensor equal to ours as loaded, gradients reaching all), and its losses
+    agree with our LoRA trainer's."""
+    from harness.lora.peft import peft_layout
+    from models.qwen35_moe.lora import adapter_shapes
+    from models.qwen35_moe.lora_targets import LoraArgs
+
+    out = printed_by("peer_torchtitan.py", "--flavor", "debugmodel", "--layers", "4", "--experts", "8", "--seq",
+                     "256", "--steps", "3", "--warmup", "1", "--lora", "8", "--only", "ours,peft", "--work",
+                     str(tmp_path))
+    ours, peft = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ours", "peft"))
+    assert ours["adapters_sha256"] == peft["adapters_sha256"]
+    assert "initial adapters: ours and those PEFT loaded are the same" in out
+    args = loaded("bench_model.py").bench_args(4, 8, "debugmodel")
+    tensors = len(peft_layout(adapter_shapes(args, LoraArgs(rank=8, alpha=16.0))).native_of)
+    assert f"PEFT trains exactly our adapters: {tensors} tensors" in out and "gradients reached all of them" in out
+    assert "ratio ours / transformers + PEFT: " in out
+    # Step 1, before any update: the same weights (B = 0: PEFT's model is the base) and rows, fp32 on CPU. Its model
+    # attends across the rows' documents, which at the initial weights moves the loss by about 5e-7 (measured);
+    # 1e-5 leaves room for reduction order, where a wrong base or a B loaded nonzero moves it by far more.
+    assert abs(peft["losses"][0] - ours["losses"][0]) < 1e-5, (peft["losses"], ours["losses"])
+    # Later steps: the transformers loop's difference from ours in full fine-tuning on these rows is 2.4e-4
+    # (attention across documents); ours' MoE balance loss does not change it.
+    assert max(abs(a - b) for a, b in zip(peft["losses"], ours["losses"])) < 1e-3, (peft["losses"], ours["losses"])
+    peer = loaded("peer_torchtitan.py")
+    assert "DIFFER" in peer.same_initial_adapters(ours["adapters_sha256"], "0" * 64)
+    assert "DIFFER" in peer.same_initial_adapters(None, None)
