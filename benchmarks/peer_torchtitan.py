@@ -110,7 +110,7 @@ FULL = ("ours", "torchtitan", "transformers")  # full fine-tuning, the default
 LORA = ("ours", "peft")  # with --lora RANK
 CONTENDERS = (*FULL, "peft")
 LABELS = {"ours": "ours", "torchtitan": "torchtitan 0.3.0", "transformers": "transformers loop",
-          "peft": "transformers + PEFT"}
+          "peft": "transformers+PEFT"}
 IGNORE_INDEX = -100
 TORCHTITAN_ONLY = ("torchtitan_compile", "torchtitan_recompile_limit")  # settings no other contender reads
 NO_DECAY = r"(norm\.weight|A_log|dt_bias)$"  # torchtitan's 1-D parameters: no weight decay, as ours

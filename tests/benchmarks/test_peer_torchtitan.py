@@ -211,7 +211,7 @@ def test_lora_cpu_check_peft_starts_from_our_adapters_and_agrees_on_the_loss(tmp
     args = loaded("bench_model.py").bench_args(4, 8, "debugmodel")
     tensors = len(peft_layout(adapter_shapes(args, LoraArgs(rank=8, alpha=16.0))).native_of)
     assert f"PEFT trains exactly our adapters: {tensors} tensors" in out and "gradients reached all of them" in out
-    assert "ratio ours / transformers + PEFT: " in out
+    assert "ratio ours / transformers+PEFT: " in out
     # Step 1, before any update: the same weights (B = 0: PEFT's model is the base) and rows, fp32 on CPU. Its model
     # attends across the rows' documents, which at the initial weights moves the loss by about 5e-7 (measured);
     # 1e-5 leaves room for reduction order, where a wrong base or a B loaded nonzero moves it by far more.
