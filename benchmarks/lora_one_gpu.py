@@ -91,7 +91,8 @@ def main() -> int:
     cfg = load_config(["--config", ns.config, *ns.trainer_flags])
     setup = Setup(gpus=1, lora_rank=cfg.lora.rank, expert_rank=cfg.lora.expert_rank,
                   local_batch=cfg.training.local_batch_size,
-                  accumulate=cfg.training.global_batch_size > cfg.training.local_batch_size)
+                  accumulate=cfg.training.global_batch_size > cfg.training.local_batch_size,
+                  loss_chunk=cfg.training.loss_chunk_tokens)
     predicted = predict_gib(get_flavor("35B-A3B"), setup)
     built = re.findall(r"GPU memory with the model built: ([\d.]+) GiB", text)
     print(f"bench: base loaded and model built {marks.get('built', float('nan')):.0f} s after start; first step done "

@@ -151,6 +151,14 @@ MEASURED = [
     (20, 256, Fitted(gpus=4, ep=4, local_batch=8), 82.9),
 ]
 
+# LoRA of the full-size 35B-A3B on one GPU (benchmarks/lora_one_gpu.py, full AC, compiled, 4096-token chat rows),
+# not used in the fit: (setup, GiB allocated at the peak)
+MEASURED_LORA = [
+    (Setup(gpus=1, lora_rank=16, local_batch=4, mtp_on_host=False), 84.6),  # H200, qwen35_moe_lora.toml
+    (Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True), 77.0),  # H100, qwen35_moe_lora_80gb.toml, chunk 4096
+    (Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True, loss_chunk=1024), 75.5),  # H100, the 80gb config
+]
+
 RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
     ("8 x 80 GB", Setup(gpus=8, ep=8)),
     ("8 x 80 GB", Setup(gpus=8, ep=8, seq=8192)),
@@ -162,7 +170,9 @@ RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
     ("8 x 141 GB", Setup(gpus=8, ep=8, ac="none", seq=4096)),
     ("1 x 141 GB", Setup(gpus=1, lora_rank=16)),  # LoRA, train_configs/qwen35_moe_lora.toml
     ("1 x 141 GB", Setup(gpus=1, lora_rank=16, local_batch=4)),
-    ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=8)),  # the experts' adapters at half the rank
+    ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True, loss_chunk=1024)),  # *_lora_80gb.toml
+    ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=4, accumulate=True, loss_chunk=1024)),
+    ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=1, accumulate=True, loss_chunk=1024)),
 
 ]
 
@@ -176,6 +186,10 @@ def main() -> int:
             predicted = predict_gib(bench_args(layers, experts), setup)
             print(f"{layers}L/{experts}E {setup}: predicted {predicted:.1f} GiB, measured {measured:.1f} GiB "
                   f"({predicted / measured - 1:+.0%})")
+        for setup, measured in MEASURED_LORA:
+            predicted = predict_gib(get_flavor("35B-A3B"), setup)
+            print(f"35B-A3B LoRA {setup}: predicted {predicted:.1f} GiB, measured {measured:.1f} GiB "
+                  f"({predicted / measured - 1:+.1%})")
         return 0
     args = get_flavor("35B-A3B")
     counts = parameter_counts(args)

@@ -8,6 +8,7 @@ layers to the host (one GPU: no step runs them).
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -57,14 +58,31 @@ def trains_mtp(cfg: JobConfig, model: Qwen35MoeModel, lora: LoraRun | None) -> b
 
 
 def hold_on_host(mtp: torch.nn.Module, device: torch.device) -> None:
-    """Move frozen MTP layers, which no step runs, to the host: their GPU memory goes to the step (1.5 GiB of
-    35B-A3B's in bf16), and the export and checkpoints read them from there. Drawn or loaded on the GPU first, so a
-    base drawn from the seed is the one the run's device draws (init.py: CPU and CUDA generators differ)."""
+    """Move a LoRA run's frozen MTP layers, which no step runs, to the host: their GPU memory goes to the step (1.57
+    GiB of 35B-A3B's in bf16); the export reads them from there, and validation brings them to the GPU for its pass
+    (`brought_to`). Drawn or loaded on the GPU first, so a base drawn from the seed is the one the run's device draws
+    (init.py: CPU and CUDA generators differ). (LoRA's frozen weights are held in the compute dtype, so no kept bf16
+    copy of them follows the move: parallel/one_device_precision.py.)"""
     held = sum(p.numel() * p.element_size() for p in mtp.parameters())
     mtp.to("cpu")
     torch.cuda.empty_cache()  # the freed blocks back to the device, not kept for tensors of the MTP's sizes
     logger.info("MTP layers held on the host until the export reads them: %.2f GiB of %s spared", held / 1024**3,
                 device)
+
+
+@contextmanager
+def brought_to(module: torch.nn.Module | None, device: torch.device):
+    """`module` on `device` for the block where `hold_on_host` left it on the host, and back there after (validation
+    runs the MTP layers); as it is otherwise."""
+    held = module is not None and device.type == "cuda" and any(p.device.type == "cpu" for p in module.parameters())
+    if held:
+        module.to(device)
+    try:
+        yield
+    finally:
+        if held:
+            module.to("cpu")
+            torch.cuda.empty_cache()
 
 
 def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, device: torch.device,
@@ -119,7 +137,7 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     model.init_weights(cfg.training.seed)
     if cfg.checkpoint.initial_load_hf and load_hf:
         load_hf_weights(model, args, cfg.checkpoint.initial_load_hf)
-    if model.mtp is not None and not train_mtp and on_gpu and not isinstance(model, FSDPModule):
+    if model.mtp is not None and not train_mtp and on_gpu and lora is not None and not isinstance(model, FSDPModule):
         hold_on_host(model.mtp, device)
     shape = cfg.model.hf_config or f"flavor {cfg.model.flavor}"
     total = sum(p.numel() for p in model.parameters())

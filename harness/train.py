@@ -62,10 +62,6 @@ def _main(argv: list[str] | None) -> int:
     except Terminated:
         return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
-    # CUDA's caching allocator growing segments in place instead of carving fixed ones: less memory lost to
-    # fragmentation where a run fills the card (docs/performance.md, "LoRA on one 80 GB GPU"); read at the first
-    # CUDA allocation, so set before it. A value the user set is kept.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if "-h" in argv or "--help" in argv:
         from .config.help import config_help
 

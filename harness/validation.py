@@ -33,6 +33,7 @@ from .data.cached import TokenCacheLoader
 from .data.errors import DataError
 from .data.rows import IGNORE_INDEX
 from .data_setup import build_data_loader
+from .model_setup import brought_to
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +81,16 @@ class Validator:
         # loss sum, label tokens; MTP loss sum, MTP targets, accepted first drafts, first drafts
         totals = torch.zeros(6, device=self.device)
         self.loader.load_state_dict(self.start)
-        for batch in itertools.islice(self.loader, self.steps):
-            inputs = self.model_inputs(batch, mtp=self.mtp)
-            out = model(**inputs, return_hidden=self.mtp)
-            totals[0] += out.ce_sum
-            totals[1] += (inputs["labels"] != IGNORE_INDEX).sum()
-            if self.mtp:
-                totals[2] += out.mtp_ce_sum
-                totals[3] += (inputs["mtp_labels"] != IGNORE_INDEX).sum()
-                totals[4:] += torch.stack(draft_matches(model, inputs, out))
+        with brought_to(model.mtp if self.mtp else None, self.device):  # a LoRA run's MTP waits on the host
+            for batch in itertools.islice(self.loader, self.steps):
+                inputs = self.model_inputs(batch, mtp=self.mtp)
+                out = model(**inputs, return_hidden=self.mtp)
+                totals[0] += out.ce_sum
+                totals[1] += (inputs["labels"] != IGNORE_INDEX).sum()
+                if self.mtp:
+                    totals[2] += out.mtp_ce_sum
+                    totals[3] += (inputs["mtp_labels"] != IGNORE_INDEX).sum()
+                    totals[4:] += torch.stack(draft_matches(model, inputs, out))
         if dist.is_initialized():
             dist.all_reduce(totals)
         reshard_fsdp(model)  # a forward without backward leaves reshard_after_forward=False units gathered

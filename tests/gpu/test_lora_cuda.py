@@ -60,8 +60,9 @@ def test_compiled_checkpointed_lora_training_follows_the_eager_run(tmp_path):
 
 def test_a_frozen_mtp_layer_waits_on_the_host_and_reaches_the_export_as_loaded(tmp_path, capfd):
     """One GPU, LoRA, lora.mtp false: no step runs the MTP layer, so it is held on the host (model_setup.hold_on_host)
-    and the GPU's memory goes to the step. The run trains, saves, resumes, and its merged export carries the MTP
-    tensors exactly as the base folder on disk holds them (the reference: the files, not the model)."""
+    and the GPU's memory goes to the step; validation brings it to the GPU for its pass (val_mtp_loss). The run
+    trains, validates, saves, resumes, and its merged export carries the MTP tensors exactly as the base folder on
+    disk holds them (the reference: the files, not the model)."""
     from safetensors import safe_open
 
     from harness.checkpoint.hf_weights import export_hf
@@ -74,10 +75,14 @@ def test_a_frozen_mtp_layer_waits_on_the_host_and_reaches_the_export_as_loaded(t
     flags = ["--config", str(REPO / "train_configs" / "debug_model.toml"), "--model.flavor", "debugmodel_mtp",
              "--lora.enable", "true", "--checkpoint.initial_load_hf", str(base), "--checkpoint.enable", "true",
              "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "false", "--job.dump_folder",
-             str(tmp_path / "run")]
+             str(tmp_path / "run"), "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2",
+             "--validation.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl")]
     assert main([*flags, "--training.steps", "2", "--checkpoint.export_hf_at_end", "false"]) == 0
     assert "MTP layers held on the host" in capfd.readouterr().err
     assert main([*flags, "--training.steps", "4"]) == 0  # resumes from step 2, exports at the end
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    validated = [r for r in records if "val_mtp_loss" in r]
+    assert [r["step"] for r in validated] == [2, 4] and all(0 < r["val_mtp_loss"] < 20 for r in validated)
 
     def mtp_tensors(folder: Path) -> dict[str, torch.Tensor]:
         tensors = {}
