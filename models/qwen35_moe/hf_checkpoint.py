@@ -34,7 +34,8 @@ class ExportFolderRefused(FileExistsError):
 class HFCheckpointReader:
     """A safetensors checkpoint folder (single file or sharded with an index), read one tensor at a time.
 
-    `keys()` and `shape(key)` come from the file headers alone; `read(key)` loads one tensor."""
+    `keys()`, `shape(key)` and `dtype(key)` (the header's dtype string, e.g. "BF16", "F8_E4M3") come from the file
+    headers alone; `read(key)` loads one tensor."""
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
@@ -51,7 +52,7 @@ class HFCheckpointReader:
         else:
             raise FileNotFoundError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
         files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
-        self._file_of, self._shapes = {}, {}
+        self._file_of, self._shapes, self._dtypes = {}, {}, {}
         for name in files:
             path = folder / name
             if not path.is_file():
@@ -59,12 +60,16 @@ class HFCheckpointReader:
             for key, entry in read_safetensors_header(path).items():
                 self._file_of[key] = path
                 self._shapes[key] = tuple(entry["shape"])
+                self._dtypes[key] = entry["dtype"]
 
     def keys(self) -> list[str]:
         return list(self._file_of)
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self._shapes[key]
+
+    def dtype(self, key: str) -> str:
+        return self._dtypes[key]
 
     def read(self, key: str) -> torch.Tensor:
         path = self._file_of[key]
