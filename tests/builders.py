@@ -51,3 +51,75 @@ def compile_blocks(model: Qwen35MoeModel) -> Qwen35MoeModel:
     from parallel.parallelize import parallelize_qwen35_moe
 
     return parallelize_qwen35_moe(model, None, param_dtype=None, reduce_dtype=None, ac_mode="none", compile=True)
+
+
+# Modules an FP8 release keeps unquantized, as the release's own modules_to_not_convert lists them (embedding,
+# lm_head, router, shared expert gate, Gated DeltaNet's per-head projections); norms, conv1d, A_log and dt_bias are
+# not Linear weights and stay as they are too.
+FP8_KEPT = ("model.embed_tokens", "lm_head", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_expert_gate",
+            "model.layers.*.linear_attn.in_proj_a", "model.layers.*.linear_attn.in_proj_b")
+
+
+def fp8_release_folder(source: Path, folder: Path, scale_dtype: torch.dtype = torch.float32) -> Path:
+    """The text-only HF folder `source` (an export of ours) rewritten in the FP8 release's layout: the routed experts
+    per expert, every 2-D Linear weight outside FP8_KEPT as float8_e4m3fn with its `weight_scale_inv` (128 x 128
+    blocks), config.json's quantization_config. Quantized by the format's definition (amax / 448 per block), written
+    here apart from models/qwen35_moe/fp8_blocks.py so that tests of the reader check it against another hand."""
+    import json
+    import re
+    import shutil
+    from fnmatch import fnmatchcase
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True)
+    tensors = {}
+    for shard in source.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    split = {}
+    for key, value in tensors.items():
+        fused = re.match(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", key)
+        if fused is None:
+            split[key] = value
+            continue
+        for e in range(value.shape[0]):
+            if fused.group(2) == "gate_up_proj":
+                gate, up = value[e].chunk(2)
+                split[f"{fused.group(1)}.{e}.gate_proj.weight"] = gate.contiguous()
+                split[f"{fused.group(1)}.{e}.up_proj.weight"] = up.contiguous()
+            else:
+                split[f"{fused.group(1)}.{e}.down_proj.weight"] = value[e].contiguous()
+    written = {}
+    for key, value in split.items():
+        module = key.removesuffix(".weight")
+        if value.ndim != 2 or not key.endswith(".weight") or any(fnmatchcase(module, m) for m in FP8_KEPT):
+            written[key] = value
+            continue
+        rows, cols = value.shape
+        w = value.double()
+        scales = torch.ones(-(-rows // 128), -(-cols // 128), dtype=torch.float64)
+        for i in range(scales.shape[0]):
+            for j in range(scales.shape[1]):
+                amax = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].abs().max()
+                if amax > 0:
+                    scales[i, j] = amax / 448
+        scales = scales.to(scale_dtype)
+        per_element = scales.double().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        written[key] = (w / per_element).clamp(-448, 448).to(torch.float8_e4m3fn)
+        written[key + "_scale_inv"] = scales
+    save_file(written, folder / "model.safetensors")
+    for extra in source.iterdir():
+        if not extra.name.startswith("model.safetensors"):
+            shutil.copy(extra, folder / extra.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128], "modules_to_not_convert": list(FP8_KEPT)}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """W = fp8 value x its block's scale, in float64, blocks of 128 cut at the edges (the format's definition)."""
+    rows, cols = weight.shape
+    per_element = scale_inv.double().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+    return weight.double() * per_element

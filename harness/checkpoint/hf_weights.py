@@ -40,12 +40,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
+from models.qwen35_moe.fp8_release import Fp8ReleaseTensors
 from models.qwen35_moe.hf_checkpoint import (
     MAX_SHARD_BYTES,
     ExportFolderRefused,
-    HFCheckpointReader,
     export_folder_refusal,
     fresh_temporary_folder,
+    open_hf_tensors,
     plan_shards,
     publish_folders,
     restore_unpublished,
@@ -104,7 +105,10 @@ def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs) -> tuple[dict[str, 
     checked against the model's (ValueError naming every difference), and the reader of one of them, whole (per-expert
     tensors fused, the fp32 contract's upcast: the state-dict adapter's `combine`)."""
     adapter = Qwen35MoeStateDictAdapter(args)
-    reader = HFCheckpointReader(path)
+    reader = open_hf_tensors(path)  # an FP8 release's weights dequantized on read
+    if isinstance(reader, Fp8ReleaseTensors):
+        logger.info("%s is an FP8 release: its %d block-wise float8 weights are read dequantized (value x block "
+                    "scale, in fp32)", path, len(reader.scales))
     plan = adapter.plan_from_hf(reader.keys())
     shapes = {key: _combined_shape(key, [reader.shape(h) for h in sources]) for key, sources in plan.items()}
     adapter.validate_shapes(shapes)

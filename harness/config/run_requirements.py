@@ -9,11 +9,13 @@ DeltaNet heads, an expert-parallel degree that divides the experts. Part of the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
 from models.qwen35_moe.args import Qwen35MoeArgs
 from models.qwen35_moe.flavors import get_flavor, qwen35_moe_flavors
+from models.qwen35_moe.fp8_config import quantization_config_of, quantization_problems
 
 from ..data.chat import chat_template_problem
 from ..run_folders import folder_problems
@@ -116,6 +118,13 @@ def _checkpoint_problems(cfg: JobConfig) -> list[str]:
     if not os.path.isfile(os.path.join(path, "config.json")):
         return [f"{key} {path!r} holds no config.json: a Hugging Face model folder has one (it says which model the "
                 "weights are of)"]
+    try:
+        config = json.loads(Path(path, "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return [f"{key} {path!r}: its config.json cannot be read: {e}"]
+    quant = quantization_config_of(config) if isinstance(config, dict) else None
+    if quant is not None:  # an FP8 release (models/qwen35_moe/fp8_config.py)
+        return [f"{key} {path!r}: {problem}" for problem in quantization_problems(quant)]
     return []
 
 

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 
 from .args import Qwen35MoeArgs
+from .fp8_config import quantization_config_of, quantization_problems
+from .fp8_release import FP8_DTYPE, Fp8ReleaseTensors
 from .model import Qwen35MoeModel
 from .state_dict_adapter import Qwen35MoeStateDictAdapter, hf_export_dtype
 
@@ -133,9 +135,28 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     return tensors
 
 
-def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint folder, single file or sharded with an index."""
+def open_hf_tensors(folder: str | Path) -> HFCheckpointReader | Fp8ReleaseTensors:
+    """The tensors of an HF folder: as stored, or, where its config.json has a quantization_config, as an FP8
+    release's (checked: ValueError naming every problem). OSError / ValueError for a folder that cannot be read."""
     reader = HFCheckpointReader(folder)
+    config_file = Path(folder) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    quant = quantization_config_of(config) if isinstance(config, dict) else None
+    if quant is None:
+        if any(reader.dtype(k) == FP8_DTYPE for k in reader.keys()):
+            raise ValueError("it holds float8 tensors but its config.json has no quantization_config: not a layout "
+                             "this project reads")
+        return reader
+    problems = quantization_problems(quant)
+    if problems:
+        raise ValueError("its config.json: " + "; ".join(problems))
+    return Fp8ReleaseTensors(reader, quant.get("modules_to_not_convert"))
+
+
+def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint folder, single file or sharded with an index; an FP8 release's
+    weights dequantized to fp32 (fp8_release.py)."""
+    reader = open_hf_tensors(folder)
     return {key: reader.read(key) for key in reader.keys()}
 
 
@@ -263,7 +284,8 @@ def fresh_temporary_folder(folder: str | Path) -> Path:
     return tmp
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+                       torch.float8_e4m3fn: "F8_E4M3"}  # FP8: the block-quantized weights of an FP8 release
 
 
 def write_shard(path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
