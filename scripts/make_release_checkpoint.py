@@ -36,7 +36,27 @@ Where the values come from (the release's files are not downloadable here; publi
   was not found; a public copy of it is 244 bytes, 25 more than this one, so it holds a field more).
 - preprocessor configs: Qwen/Qwen3.6-35B-A3B's published ones (the same processor classes).
 
-    python scripts/make_release_checkpoint.py OUT [--seed 0] [--device cpu|cuda] [--small]
+--fp8 writes the layout of the official FP8 release, Qwen/Qwen3.5-35B-A3B-FP8, instead: DeepSeek-V3's block-wise
+"fp8" scheme, as public copies of the Qwen3.5/3.6-35B-A3B-FP8 config.json and tensor names show it (a public mlx-lm
+pull request, for one, counts the Qwen3.6 FP8 release's 30,720 per-expert weights of the main layers and their scales):
+- config.json gains a top-level quantization_config: quant_method "fp8", fmt "e4m3", activation_scheme "dynamic",
+  weight_block_size [128, 128], and modules_to_not_convert (`modules_to_not_convert`: lm_head, the embedding, in every
+  layer, the MTP's too, the router, shared_expert_gate and linear_attn.in_proj_a/b, mtp.fc, the vision tower).
+- Every 2-D `.weight` of the text model and the MTP layer outside those modules (self_attn q/k/v/o_proj, linear_attn
+  in_proj_qkv, in_proj_z and out_proj, the shared expert's and the routed experts' gate/up/down_proj) is float8_e4m3fn,
+  with `<module>.weight_scale_inv` beside it: one scale per 128 x 128 block, (ceil(rows/128), ceil(cols/128)), in
+  SCALE_DTYPE (models/qwen35_moe/fp8_blocks.py). The main layers' routed experts are stored per expert, as the FP8
+  release stores them (`...mlp.experts.{e}.{gate,up,down}_proj.weight`, each with its scales; the BF16 release holds
+  them fused), the MTP's per expert as in BF16.
+- Everything else (embedding, lm_head, norms, routers, shared_expert_gate, in_proj_a/b, conv1d, A_log, dt_bias, the
+  vision tower) is the BF16 folder's, byte for byte.
+- Values: the BF16 folder's of the same seed, quantized: each weight drawn as the BF16 path draws it (an expert cut
+  from its layer's fused tensor, which stays alive while that layer's experts are written: gate_up_proj and
+  down_proj, 1.5 GiB in BF16 at full size) and quantized at once; its scales wait until their turn in the file.
+- At full size: 64,196 tensors (1811 less the 80 fused expert tensors, plus 30,720 per-expert weights and 31,745
+  scales), 37,454,799,072 bytes in 7 shards (the release is ~37 GB against the BF16 one's 72 GB).
+
+    python scripts/make_release_checkpoint.py OUT [--seed 0] [--device cpu|cuda] [--small] [--fp8]
         [--text-config-overrides JSON] [--vision-config-overrides JSON] [--max-shard-bytes N] [--plan]
 
 --small writes a tiny model of the same structure (4 layers in the release's pattern, 8 experts, one MTP layer, a
@@ -48,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -64,6 +85,7 @@ sys.path.insert(0, str(REPO))
 
 from harness.cli_parser import OneLineParser  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter  # noqa: E402
+from models.qwen35_moe.fp8_blocks import BLOCK, FP8, quantize_blocks, scale_shape  # noqa: E402
 from models.qwen35_moe.hf_checkpoint import write_shard  # noqa: E402
 from models.qwen35_moe.init import initial_value  # noqa: E402
 from scripts.release_tokenizer import write_tokenizer  # noqa: E402
@@ -72,6 +94,16 @@ CHAT_TEMPLATE = REPO / "tests" / "data" / "qwen35_chat_template.jinja"  # the re
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 5 * 1024**3
 F32_TENSORS = ("linear_attn.A_log", "linear_attn.norm.weight")  # the release's only F32 tensors
+
+# --fp8. The FP8 release stores its block scales in BF16; DeepSeek-V3's checkpoints and transformers' fine-grained FP8
+# quantizer write them in float32: a reader must accept both.
+SCALE_DTYPE = torch.bfloat16
+SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> its block scales `X.weight_scale_inv`
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [BLOCK, BLOCK]}  # and modules_to_not_convert (`modules_to_not_convert`)
+# Modules of every layer (main and MTP) that the FP8 release keeps in BF16 (`modules_to_not_convert`).
+KEPT_BF16_IN_LAYERS = (".mlp.gate", ".mlp.shared_expert_gate", ".linear_attn.in_proj_a", ".linear_attn.in_proj_b")
+_FUSED_EXPERTS = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 RELEASE_TEXT_CONFIG = {
     "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "dtype": "bfloat16",
@@ -161,6 +193,65 @@ def vision_specs(vision_config: dict) -> dict[str, tuple[torch.dtype, tuple[int,
     return {f"model.visual.{k}": (torch.bfloat16, tuple(v.shape)) for k, v in tower.state_dict().items()}
 
 
+def modules_to_not_convert(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
+    """The FP8 release's quantization_config.modules_to_not_convert for the BF16 release's tensors `specs`, as public
+    copies of the Qwen3.5/3.6-35B-A3B-FP8 config.json list them: lm_head and the embedding, then every layer's router,
+    shared_expert_gate and linear_attn.in_proj_a/b (KEPT_BF16_IN_LAYERS, the layers in order), mtp.fc and the MTP
+    layers' likewise, and the whole vision tower. A module's tensors are `<module>.<name>`."""
+    in_layers = [module for module in (name.removesuffix(".weight") for name in specs if name.endswith(".weight"))
+                 if module.endswith(KEPT_BF16_IN_LAYERS) and not module.startswith("model.visual.")]
+    return ["lm_head", "model.language_model.embed_tokens", *(m for m in in_layers if not m.startswith("mtp.")),
+            "mtp.fc", *(m for m in in_layers if m.startswith("mtp.")), "model.visual"]
+
+
+def fp8_release_config(config: dict, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict:
+    """config.json of the FP8 release: `config` with a top-level quantization_config (module docstring, --fp8)."""
+    return {**config, "quantization_config": {**FP8_QUANTIZATION,
+                                              "modules_to_not_convert": modules_to_not_convert(specs)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Where a tensor of the FP8 layout takes its value: the BF16 tensor `source`, or rows start:stop of one expert of
+    it (a main layer's fused experts)."""
+
+    source: str
+    expert: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+def fp8_tensor_specs(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+                     ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, Piece]]:
+    """The FP8 release's tensors from the BF16 release's `specs` (module docstring, --fp8): ({name: (dtype, shape)},
+    {name: its Piece}, the scales having none). The main layers' fused experts are split per expert, gate_proj =
+    gate_up_proj[e, :I], up_proj = gate_up_proj[e, I:], down_proj = down_proj[e]; each 2-D `.weight` outside
+    `modules_to_not_convert` becomes float8 with its `weight_scale_inv`; the rest keeps its dtype."""
+    kept = modules_to_not_convert(specs)
+    out, pieces = {}, {}
+    for name, (dtype, shape) in specs.items():
+        fused = _FUSED_EXPERTS.match(name)
+        if fused is None:
+            parts = {name: (Piece(name), shape)}
+        else:
+            base, kind = fused.groups()
+            experts, rows, cols = shape
+            halves = ({"gate_proj": (0, rows // 2), "up_proj": (rows // 2, rows)} if kind == "gate_up_proj"
+                      else {"down_proj": (0, rows)})
+            parts = {f"{base}.{e}.{part}.weight": (Piece(name, e, start, stop), (stop - start, cols))
+                     for e in range(experts) for part, (start, stop) in halves.items()}
+        for part, (piece, part_shape) in parts.items():
+            pieces[part] = piece
+            module = part.removesuffix(".weight")
+            if module != part and len(part_shape) == 2 and not any(module == m or module.startswith(m + ".")
+                                                                    for m in kept):
+                out[part] = (FP8, part_shape)
+                out[part + SCALE_SUFFIX] = (SCALE_DTYPE, scale_shape(part_shape, BLOCK))
+            else:
+                out[part] = (dtype, part_shape)
+    return out, pieces
+
+
 def nbytes(spec: tuple[torch.dtype, tuple[int, ...]]) -> int:
     dtype, shape = spec
     return math.prod(shape) * dtype.itemsize
@@ -200,6 +291,36 @@ def random_weights(config: dict, seed: int, device: str) -> Callable[[str, tuple
     return make
 
 
+def fp8_weights(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], pieces: dict[str, Piece],
+                make: Callable[[str, tuple], torch.Tensor]) -> Callable[[str, tuple], torch.Tensor]:
+    """`make` for the FP8 layout (`fp8_tensor_specs`'s `pieces`) from `make` for the BF16 one (`specs`): a tensor is
+    its piece of the BF16 value; a quantized weight is quantized as soon as it is drawn, its scales kept until they
+    are asked for (after it: a smaller tensor, or the next name in the same shard; drawn again if asked first)."""
+    scales = {}
+
+    @functools.lru_cache(maxsize=2)  # a layer's fused gate_up_proj and down_proj: its experts alternate between them
+    def fused(source: str) -> torch.Tensor:
+        return make(source, specs[source])
+
+    def value(name: str) -> torch.Tensor:
+        piece = pieces[name]
+        if piece.expert is None:
+            return make(name, specs[name])
+        return fused(piece.source)[piece.expert, piece.start:piece.stop]
+
+    def make_fp8(name: str, spec: tuple[torch.dtype, tuple[int, ...]]) -> torch.Tensor:
+        if name.endswith(SCALE_SUFFIX):
+            if name in scales:
+                return scales.pop(name)
+            return quantize_blocks(value(name.removesuffix(SCALE_SUFFIX)), BLOCK, SCALE_DTYPE)[1]
+        if spec[0] != FP8:
+            return value(name)
+        weight, scales[name + SCALE_SUFFIX] = quantize_blocks(value(name), BLOCK, SCALE_DTYPE)
+        return weight
+
+    return make_fp8
+
+
 def write_weights(folder: Path, specs: dict, make: Callable[[str, tuple], torch.Tensor],
                   max_shard_bytes: int = SHARD_BYTES, log: Callable[[str], None] = print) -> int:
     """The shards and their index into `folder`, each tensor made by `make` when its turn to be written comes.
@@ -221,12 +342,19 @@ def write_weights(folder: Path, specs: dict, make: Callable[[str, tuple], torch.
 
 
 def write_release_checkpoint(folder: str | Path, config: dict, seed: int = 0, device: str = "cpu",
-                             max_shard_bytes: int = SHARD_BYTES, log: Callable[[str], None] = print) -> int:
-    """The whole folder; returns the bytes of tensors written. `folder` must be new or empty."""
+                             max_shard_bytes: int = SHARD_BYTES, log: Callable[[str], None] = print,
+                             fp8: bool = False) -> int:
+    """The whole folder, in the FP8 release's layout if `fp8`; returns the bytes of tensors written. `folder` must be
+    new or empty."""
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise FileExistsError(f"{folder} exists and is not an empty folder: name a new folder for the checkpoint")
     specs = tensor_specs(config)  # a config the model refuses: before anything is written
+    make = random_weights(config, seed, device)
+    if fp8:
+        config = fp8_release_config(config, specs)
+        fp8_specs, pieces = fp8_tensor_specs(specs)
+        specs, make = fp8_specs, fp8_weights(specs, pieces, make)
     folder.mkdir(parents=True, exist_ok=True)
     for name, content in (("config.json", config), ("generation_config.json", GENERATION_CONFIG),
                           ("preprocessor_config.json", PREPROCESSOR_CONFIG),
@@ -234,7 +362,7 @@ def write_release_checkpoint(folder: str | Path, config: dict, seed: int = 0, de
         (folder / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     write_tokenizer(folder, CHAT_TEMPLATE.read_text(encoding="utf-8"))
     started = time.perf_counter()
-    total = write_weights(folder, specs, random_weights(config, seed, device), max_shard_bytes, log)
+    total = write_weights(folder, specs, make, max_shard_bytes, log)
     seconds = time.perf_counter() - started
     log(f"wrote {len(specs)} tensors, {total:,} bytes, to {folder} in {seconds:.1f} s "
         f"({total / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
@@ -276,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vision-config-overrides", default="{}", metavar="JSON",
                         help="vision_config fields to replace (after --small's)")
     parser.add_argument("--max-shard-bytes", type=int, default=SHARD_BYTES)
+    parser.add_argument("--fp8", action="store_true", help="the layout of the FP8 release (Qwen3.5-35B-A3B-FP8)")
     parser.add_argument("--plan", action="store_true", help="print the shards and sizes; write nothing")
     a = parser.parse_args(argv)
     text_overrides, vision_overrides, problems = _arguments(a)
@@ -288,12 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         config = release_config(text, vision)
         if a.plan:
             specs = tensor_specs(config)
+            if a.fp8:
+                specs = fp8_tensor_specs(specs)[0]
             shards = plan_shards(specs, a.max_shard_bytes)
             for file, names in zip(shard_names(len(shards)), shards):
                 print(f"{file}: {len(names)} tensors, {sum(nbytes(specs[k]) for k in names):,} bytes")
             print(f"{len(specs)} tensors, {sum(map(nbytes, specs.values())):,} bytes")
             return 0
-        write_release_checkpoint(a.out, config, a.seed, a.device, a.max_shard_bytes)
+        write_release_checkpoint(a.out, config, a.seed, a.device, a.max_shard_bytes, fp8=a.fp8)
     except (OSError, ValueError, TypeError) as e:  # a folder in use or out of reach; a config the model refuses
         print(f"error: {e}", file=sys.stderr)
         return 2
