@@ -3,8 +3,8 @@ gives one for a folder whose config.json says so).
 
 Each quantized weight `X.weight` (float8_e4m3fn) has its block scales in `X.weight_scale_inv` (fp8_blocks.py). As
 a reader of the model's tensors (`keys`, `shape`, `read`) the folder looks like a bf16 release: the scales are not
-keys of their own, and `read` gives a quantized weight dequantized, in fp32 (exact: a 4-significant-bit e4m3 value
-times a bf16 or fp32 scale fits fp32's 24 bits). `read_quantized` gives the float8 values and their scales as
+keys of their own, and `read` gives a quantized weight dequantized, in fp32 (a 4-significant-bit e4m3 value times
+a bf16 scale is exact there; times an fp32 scale, the exact product rounded once). `read_quantized` gives the float8 values and their scales as
 stored, for a run that holds the weight in FP8.
 """
 

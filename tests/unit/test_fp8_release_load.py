@@ -40,8 +40,9 @@ def _stored(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("which", ["fp8", "fp8_bf16_scales"])
 def test_each_float8_weight_reads_as_value_times_its_blocks_scale(folders, which):
-    """Every quantized weight, fused into the model's expert layout, equals the float64 definition exactly in fp32
-    (an e4m3 value has 4 significant bits, a scale 8 or 24: their product fits fp32's 24)."""
+    """Every quantized weight, fused into the model's expert layout, equals the float64 definition rounded once to
+    fp32 (an e4m3 value has 4 significant bits: times a bf16 scale the product is exact in fp32; times an fp32 scale
+    IEEE multiplication rounds the exact product once, as the cast of the float64 product does)."""
     stored = _stored(folders[which])
     quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
     assert len(quantized) > 20 and all(k + "_scale_inv" in stored for k in quantized)
