@@ -4,8 +4,8 @@ gives one for a folder whose config.json says so).
 Each quantized weight `X.weight` (float8_e4m3fn) has its block scales in `X.weight_scale_inv` (fp8_blocks.py). As
 a reader of the model's tensors (`keys`, `shape`, `read`) the folder looks like a bf16 release: the scales are not
 keys of their own, and `read` gives a quantized weight dequantized, in fp32 (a 4-significant-bit e4m3 value times
-a bf16 scale is exact there; times an fp32 scale, the exact product rounded once). `read_quantized` gives the float8 values and their scales as
-stored, for a run that holds the weight in FP8.
+a bf16 scale is exact there; times an fp32 scale, the exact product rounded once). `read_quantized` gives the
+float8 values and their scales as stored, for a run that holds the weight in FP8.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ class Fp8ReleaseTensors:
         keys = reader.keys()
         known = set(keys)
         scales = {k[: -len(SCALE_SUFFIX)]: k for k in keys if k.endswith(SCALE_SUFFIX)}
-        fp8 = [k for k in keys if reader.dtype(k) == FP8_DTYPE]
+        fp8 = {k for k in keys if reader.dtype(k) == FP8_DTYPE}  # a set: 31k weights at full size are looked up
         problems = []
         if not fp8:
             problems.append("its config.json has an FP8 quantization_config but no tensor is float8 (F8_E4M3)")
-        problems += [f"{k} is float8 without its {k}{SCALE_SUFFIX}" for k in fp8 if k not in scales]
+        problems += [f"{k} is float8 without its {k}{SCALE_SUFFIX}" for k in sorted(fp8) if k not in scales]
         problems += [f"{s} scales {w}, which is not a float8 weight" for w, s in scales.items()
                      if w not in known or reader.dtype(w) != FP8_DTYPE]
         for weight, scale in scales.items():
@@ -44,7 +44,7 @@ class Fp8ReleaseTensors:
             if weight in fp8 and reader.dtype(scale) not in _SCALE_DTYPES:
                 problems.append(f"{scale} is {reader.dtype(scale)}, not F32 or BF16")
         problems += [f"{k} is float8 but quantization_config.modules_to_not_convert keeps its module unquantized"
-                     for k in fp8 if kept_unquantized(k, modules_to_not_convert)]
+                     for k in sorted(fp8) if kept_unquantized(k, modules_to_not_convert)]
         if problems:
             shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
             raise ValueError(f"not an FP8 release layout: {shown}")
@@ -56,9 +56,6 @@ class Fp8ReleaseTensors:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.reader.shape(key)
 
-    def is_quantized(self, key: str) -> bool:
-        return key in self.scales
-
     def read_quantized(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A quantized weight as stored: (float8_e4m3fn values, their block scales)."""
         return self.reader.read(key), self.reader.read(self.scales[key])
@@ -67,4 +64,3 @@ class Fp8ReleaseTensors:
         if key not in self.scales:
             return self.reader.read(key)
         return dequantize_blocks(*self.read_quantized(key), dtype=torch.float32)
-
