@@ -41,7 +41,9 @@ Where the values come from (the release's files are not downloadable here; publi
 pull request, for one, counts the Qwen3.6 FP8 release's 30,720 per-expert weights of the main layers and their scales):
 - config.json gains a top-level quantization_config: quant_method "fp8", fmt "e4m3", activation_scheme "dynamic",
   weight_block_size [128, 128], and modules_to_not_convert (`modules_to_not_convert`: lm_head, the embedding, in every
-  layer, the MTP's too, the router, shared_expert_gate and linear_attn.in_proj_a/b, mtp.fc, the vision tower).
+  layer, the MTP's too, the router, shared_expert_gate and linear_attn.in_proj_a/b, mtp.fc, the vision tower). Which
+  modules these are follows the release's tensor dtypes as described; the exact names and order of the release's own
+  list were not seen, and its scale dtype (BF16 here) neither: the reader takes F32 and BF16 scales alike.
 - Every 2-D `.weight` of the text model and the MTP layer outside those modules (self_attn q/k/v/o_proj, linear_attn
   in_proj_qkv, in_proj_z and out_proj, the shared expert's and the routed experts' gate/up/down_proj) is float8_e4m3fn,
   with `<module>.weight_scale_inv` beside it: one scale per 128 x 128 block, (ceil(rows/128), ceil(cols/128)), in
@@ -194,10 +196,11 @@ def vision_specs(vision_config: dict) -> dict[str, tuple[torch.dtype, tuple[int,
 
 
 def modules_to_not_convert(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
-    """The FP8 release's quantization_config.modules_to_not_convert for the BF16 release's tensors `specs`, as public
-    copies of the Qwen3.5/3.6-35B-A3B-FP8 config.json list them: lm_head and the embedding, then every layer's router,
-    shared_expert_gate and linear_attn.in_proj_a/b (KEPT_BF16_IN_LAYERS, the layers in order), mtp.fc and the MTP
-    layers' likewise, and the whole vision tower. A module's tensors are `<module>.<name>`."""
+    """The FP8 release's quantization_config.modules_to_not_convert for the BF16 release's tensors `specs` (the
+    modules the release keeps unquantized; the exact names and order of its own list are not confirmed): lm_head and
+    the embedding, then every layer's router, shared_expert_gate and linear_attn.in_proj_a/b (KEPT_BF16_IN_LAYERS,
+    the layers in order), mtp.fc and the MTP layers' likewise, and the whole vision tower. A module's tensors are
+    `<module>.<name>`."""
     in_layers = [module for module in (name.removesuffix(".weight") for name in specs if name.endswith(".weight"))
                  if module.endswith(KEPT_BF16_IN_LAYERS) and not module.startswith("model.visual.")]
     return ["lm_head", "model.language_model.embed_tokens", *(m for m in in_layers if not m.startswith("mtp.")),
