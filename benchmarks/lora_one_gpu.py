@@ -9,8 +9,10 @@ export's time and size (the merged model, and the PEFT adapter).
     python benchmarks/lora_one_gpu.py --base /dev/shm/base --work /dev/shm/lora80 \
         --config train_configs/qwen35_moe_lora_80gb.toml              # the one-80-GB-card config
 
-`--delete-base-after-load` removes the base folder once the first step has run (the base is in GPU memory by then):
-on a host whose memory file system holds the base or the export but not both. Trainer flags go after `--`.
+`--long-chats` trains on multi-turn conversations of 1-4k tokens (scripts/make_long_chat.py) instead of the debug
+corpus's short ones, so attention and Gated DeltaNet see documents as long as users'. `--delete-base-after-load`
+removes the base folder once the first step has run (the base is in GPU memory by then): on a host whose memory file
+system holds the base or the export but not both. Trainer flags go after `--`.
 """
 
 from __future__ import annotations
@@ -36,10 +38,16 @@ def folder_gib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1024**3
 
 
-def chat_rows(path: Path, count: int) -> Path:
-    """`count` short chat conversations (the debug corpus's tasks) as JSON lines."""
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_debug_chat.py"), "--train", str(count), "--val", "10",
-                    "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
+def chat_rows(path: Path, long: bool, base: Path) -> Path:
+    """Chat conversations as JSON lines: short ones (the debug corpus's tasks, under 100 tokens), or `long` ones of
+    1-4k tokens each counted with the base's tokenizer, as users' are."""
+    if long:
+        command = ["make_long_chat.py", "--tokenizer", str(base), "--train", "400", "--val", "10"]
+    else:
+        command = ["make_debug_chat.py", "--train", "20000", "--val", "10"]
+    made = subprocess.run([sys.executable, str(REPO / "scripts" / command[0]), *command[1:], "--out", str(path)],
+                          check=True, capture_output=True, text=True)
+    print(f"bench: {made.stdout.splitlines()[0]}", flush=True)
     return path / "train.jsonl"
 
 
@@ -51,10 +59,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--delete-base-after-load", action="store_true")
+    parser.add_argument("--long-chats", action="store_true", help="conversations of 1-4k tokens, not under 100")
     parser.add_argument("trainer_flags", nargs="*")
     ns = parser.parse_args()
     work, base = Path(ns.work), Path(ns.base)
-    data = chat_rows(work.parent / (work.name + "-data"), 20000)
+    data = chat_rows(work.parent / (work.name + "-data"), ns.long_chats, base)
     argv = [sys.executable, "-m", "harness.train", "--config", ns.config,
             "--model.tokenizer_path", str(base), "--checkpoint.initial_load_hf", str(base),
             "--training.dataset_path", str(data), "--training.steps", str(ns.steps),
