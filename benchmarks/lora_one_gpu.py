@@ -9,9 +9,11 @@ export's time and size (the merged model, and the PEFT adapter).
     python benchmarks/lora_one_gpu.py --base /dev/shm/base --work /dev/shm/lora80 \
         --config train_configs/qwen35_moe_lora_80gb.toml              # the one-80-GB-card config
 
-`--long-chats` trains on multi-turn conversations of 1-4k tokens (scripts/make_long_chat.py) instead of the debug
-corpus's short ones, so attention and Gated DeltaNet see documents as long as users'. `--delete-base-after-load`
-removes the base folder once the first step has run (the base is in GPU memory by then): on a host whose memory file
+`--memory-cap-gib 46` caps the trainer's GPU memory with torch.cuda.set_per_process_memory_fraction (a 48 GB card's
+stand-in). A base in the FP8 release's layout (`make_release_checkpoint.py --fp8`) is held in FP8 by the trainer,
+and predicted so. `--long-chats` trains on multi-turn conversations of 1-4k tokens (scripts/make_long_chat.py)
+instead of the debug corpus's short ones, so attention and Gated DeltaNet see documents as long as users'.
+`--delete-base-after-load` removes the base folder once the first step has run (the base is in GPU memory by then): on a host whose memory file
 system holds the base or the export but not both. Trainer flags go after `--`.
 """
 
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -60,11 +64,17 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--delete-base-after-load", action="store_true")
     parser.add_argument("--long-chats", action="store_true", help="conversations of 1-4k tokens, not under 100")
+    parser.add_argument("--memory-cap-gib", type=float, help="cap the trainer's GPU memory (a 48 GB card: 46)")
     parser.add_argument("trainer_flags", nargs="*")
     ns = parser.parse_args()
     work, base = Path(ns.work), Path(ns.base)
     data = chat_rows(work.parent / (work.name + "-data"), ns.long_chats, base)
-    argv = [sys.executable, "-m", "harness.train", "--config", ns.config,
+    # --memory-cap-gib: the trainer's process may allocate no more on the GPU (a smaller card's stand-in)
+    capped = ("import sys, torch; torch.cuda.set_per_process_memory_fraction({:.6f}); from harness.train import main; "
+              "sys.exit(main(sys.argv[1:]))")
+    launch = ["-m", "harness.train"] if ns.memory_cap_gib is None else ["-c", capped.format(
+        ns.memory_cap_gib * 1024**3 / torch.cuda.get_device_properties(0).total_memory)]
+    argv = [sys.executable, *launch, "--config", ns.config,
             "--model.tokenizer_path", str(base), "--checkpoint.initial_load_hf", str(base),
             "--training.dataset_path", str(data), "--training.steps", str(ns.steps),
             "--checkpoint.interval", str(ns.steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
@@ -101,7 +111,8 @@ def main() -> int:
     setup = Setup(gpus=1, lora_rank=cfg.lora.rank, expert_rank=cfg.lora.expert_rank,
                   local_batch=cfg.training.local_batch_size,
                   accumulate=cfg.training.global_batch_size > cfg.training.local_batch_size,
-                  loss_chunk=cfg.training.loss_chunk_tokens)
+                  loss_chunk=cfg.training.loss_chunk_tokens,
+                  fp8_base="quantization_config" in json.loads((base / "config.json").read_text()))
     predicted = predict_gib(get_flavor("35B-A3B"), setup)
     built = re.findall(r"GPU memory with the model built: ([\d.]+) GiB", text)
     print(f"bench: base loaded and model built {marks.get('built', float('nan')):.0f} s after start; first step done "

@@ -70,6 +70,7 @@ class Setup:
     accumulate: bool = False  # more than one micro-batch a step: LoRA's fp32 gradients held apart from the bf16 copies
     mtp_on_host: bool = True  # one GPU, LoRA: the frozen MTP layer held on the host (harness/model_setup.py)
     loss_chunk: int = CHUNK_TOKENS  # training.loss_chunk_tokens
+    fp8_base: bool = False  # LoRA from the FP8 release, its quantized weights held in float8 (1 B and block scales)
 
 
 def parameter_counts(args: Qwen35MoeArgs) -> dict[str, int]:
@@ -79,7 +80,13 @@ def parameter_counts(args: Qwen35MoeArgs) -> dict[str, int]:
     experts = sum(p.numel() for n, p in named if ".experts." in n)
     root = sum(p.numel() for n, p in named if not n.startswith("layers."))
     mtp = sum(p.numel() for n, p in named if n.startswith("mtp."))
-    return {"total": sum(p.numel() for _, p in named), "experts": experts, "root": root, "mtp": mtp}
+    # What the FP8 release quantizes: the 2-D Linear weights but the embedding, lm_head and each layer's router,
+    # shared_expert_gate and linear_attn.in_proj_a / in_proj_b (scripts/make_release_checkpoint.py's
+    # modules_to_not_convert); per part, as the MTP's share is held apart.
+    kept = (".embed_tokens.", "lm_head.", ".gate.", ".shared_expert_gate.", ".in_proj_a.", ".in_proj_b.")
+    fp8 = [(n, p.numel()) for n, p in named if p.ndim >= 2 and not any(k in f".{n}" for k in kept)]
+    return {"total": sum(p.numel() for _, p in named), "experts": experts, "root": root, "mtp": mtp,
+            "fp8": sum(c for _, c in fp8), "fp8_mtp": sum(c for n, c in fp8 if n.startswith("mtp."))}
 
 
 def fla_state_bytes(args: Qwen35MoeArgs) -> int:
@@ -100,8 +107,13 @@ def predict_gib(args: Qwen35MoeArgs, s: Setup) -> float:
     if s.lora_rank:  # the base frozen in bf16 (2 B); an adapter parameter 16 B: fp32 weight, its bf16 copy holding
         # the gradient, AdamW's two fp32 moments; 18 B with accumulation (an fp32 gradient beside the copy)
         lora = LoraArgs(rank=s.lora_rank, alpha=2.0 * s.lora_rank, expert_rank=s.expert_rank)
-        frozen = counts["total"] - (counts["mtp"] if s.mtp_on_host and shards == 1 else 0)
-        states = (2 * frozen + (18 if s.accumulate else 16) * adapter_count(args, lora)) / shards
+        on_host = s.mtp_on_host and shards == 1
+        frozen = counts["total"] - (counts["mtp"] if on_host else 0)
+        base = 2 * frozen
+        if s.fp8_base:  # a quantized weight 1 B (and 4 B of scale per 128 x 128 block) instead of bf16's 2
+            quantized = counts["fp8"] - (counts["fp8_mtp"] if on_host else 0)
+            base -= quantized * (1 - 4 / 128**2)
+        states = (base + (18 if s.accumulate else 16) * adapter_count(args, lora)) / shards
         gathered = 0 if shards == 1 else gathered  # one GPU: no FSDP, nothing gathered
     tokens = s.seq * s.local_batch // s.cp
     gdn_layers = sum(t == "linear_attention" for t in args.layer_types)

@@ -87,9 +87,10 @@ class OneDevicePrecision:
         if module not in self._readers:
             self._readers[module] = reader = KeptCopies()
             parameters = own_parameters(module)
-            # none of a weight already held in `dtype` (a frozen base under LoRA): it is read as it is
+            # none of a weight already held in `dtype` (a frozen base under LoRA): it is read as it is; none of one
+            # held in FP8 (models/qwen35_moe/fp8_hold.py): its module dequantizes it where it is used
             self._slots += [(parameters, name, reader) for name, p in parameters.items()
-                            if p is not None and p.ndim >= 2 and p.dtype != self.dtype]
+                            if p is not None and p.ndim >= 2 and p.dtype not in (self.dtype, torch.float8_e4m3fn)]
         return self._readers[module]
 
     def before_forward(self) -> None:

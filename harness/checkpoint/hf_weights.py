@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter
+from models.qwen35_moe.fp8_hold import dequantized, held_fp8_weights, load_held
 from models.qwen35_moe.fp8_release import Fp8ReleaseTensors
 from models.qwen35_moe.hf_checkpoint import (
     MAX_SHARD_BYTES,
@@ -82,8 +83,20 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
         raise CheckpointError(problem, every_rank=True)
     params = {canonical_name(name): p for name, p in model.named_parameters()
               if not is_adapter_key(name)}  # LoRA's adapters: not the base's (models/qwen35_moe/lora_targets.py)
+    held = {canonical_name(name): where for name, where in held_fp8_weights(model).items()}
+    stored_fp8, quantized = hf_fp8_tensors(path, args) if held else (frozenset(), None)
+    if held.keys() - stored_fp8:
+        raise CheckpointError(f"checkpoint.initial_load_hf {path}: the run holds {len(held)} weights in FP8 but the "
+                              f"folder does not store {sorted(held.keys() - stored_fp8)[0]} quantized")
     for key, param in params.items():
         local = param.to_local() if isinstance(param, DTensor) else param
+        if key in held:  # one process (fp8_hold.py): the float8 values and scales as stored, never dequantized
+            try:
+                values, scales = quantized(key)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"checkpoint.initial_load_hf {path}: {e}") from None
+            load_held(*held[key], values.to(local.device), scales.to(local.device))
+            continue
         if rank == 0:
             try:
                 full = read(key).to(local.device, param.dtype)
@@ -113,6 +126,24 @@ def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs) -> tuple[dict[str, 
     shapes = {key: _combined_shape(key, [reader.shape(h) for h in sources]) for key, sources in plan.items()}
     adapter.validate_shapes(shapes)
     return shapes, lambda key: adapter.combine(key, [reader.read(h) for h in plan[key]])
+
+
+def hf_fp8_tensors(path: str | Path, args: Qwen35MoeArgs) -> tuple[frozenset[str], Callable[[str], tuple]]:
+    """The native tensors an FP8 release folder holds quantized (every HF tensor they are made of is a float8 weight
+    with block scales; none for another folder), and the reader of one as stored: (float8 values, scales), each
+    fused as `combine` fuses the per-expert weights (the scales' grids stacked alike: fp8_hold.py)."""
+    adapter = Qwen35MoeStateDictAdapter(args)
+    reader = open_hf_tensors(path)
+    if not isinstance(reader, Fp8ReleaseTensors):
+        return frozenset(), None
+    plan = adapter.plan_from_hf(reader.keys())
+    keys = frozenset(key for key, sources in plan.items() if all(h in reader.scales for h in sources))
+
+    def read_quantized(key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [reader.read_quantized(h) for h in plan[key]]
+        return tuple(adapter.combine(key, [pair[i] for pair in pairs]) for i in (0, 1))
+
+    return keys, read_quantized
 
 
 def _combined_shape(key: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -301,8 +332,11 @@ def model_native_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], 
     """The native tensors of a (possibly sharded) model: {key: shape} and the reader of one, whole (under FSDP its
     full_tensor(), a collective every rank joins)."""
     state = {canonical_name(k): v for k, v in model.state_dict().items()}
+    held = {canonical_name(name): where for name, where in held_fp8_weights(model).items()}
 
     def gathered(key: str) -> torch.Tensor:
+        if key in held:  # a frozen FP8 base weight (one process: fp8_hold.py), as the FP8 release's reader gives it
+            return dequantized(*held[key], torch.float32)
         tensor = state[key]
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 

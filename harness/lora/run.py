@@ -20,10 +20,10 @@ How a capability of LoRA lands: inside this part and the model's LoRA files.
   (models/qwen35_moe/lora_targets.py, with the experts' scale alpha / expert_rank), read by settings.py, built by
   ExpertLowRank (lora.py), counted by sizes.py, merged at its own scale (merge.py's `scale_of`), and written to the
   PEFT config as `rank_pattern` (peft.py).
-- An FP8 frozen base (the official FP8 release) goes the same way: `convert` holds each quantized weight as
-  float8_e4m3fn with its block scales instead of casting it to the compute dtype, the base's reading and digest
-  (base.py) take the FP8 folder, and `write_exports` dequantizes W before W + s B A (or re-quantizes the merged weight
-  on request).
+- An FP8 frozen base (the official FP8 release) did too: `convert` holds each quantized weight as float8_e4m3fn with
+  its block scales (`fp8_held_keys`, models/qwen35_moe/fp8_hold.py) instead of casting it to the compute dtype, the
+  loading copies them as stored, the base's reading and digest (base.py) take the FP8 folder, and the exports read W
+  dequantized before W + s B A.
 """
 
 from __future__ import annotations
@@ -48,7 +48,13 @@ from models.qwen35_moe.lora import (
 from models.qwen35_moe.lora_targets import LoraArgs, is_adapter_key
 
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.hf_weights import ExportUnit, hf_native_tensors, model_native_tensors, write_native_export
+from ..checkpoint.hf_weights import (
+    ExportUnit,
+    hf_fp8_tensors,
+    hf_native_tensors,
+    model_native_tensors,
+    write_native_export,
+)
 from ..run_outputs import adapter_folder
 from .base import base_digest, lora_record
 from .merge import adapter_merges, merged_reads
@@ -79,14 +85,33 @@ class LoraRun:
 
     # ---- building the run ----
 
-    def convert(self, model: nn.Module, hold_dtype: torch.dtype | None) -> None:
+    def convert(self, model: nn.Module, hold_dtype: torch.dtype | None, fp8: frozenset[str] = frozenset()) -> None:
         """Add the adapters to `model` (on any device, meta too) and freeze every other weight; `hold_dtype`: the
-        dtype the frozen weights are held in (a GPU's compute dtype; None: as they are)."""
+        dtype the frozen weights are held in (a GPU's compute dtype; None: as they are); `fp8`: the keys of those
+        held as the FP8 release stores them instead (`fp8_held_keys`)."""
         adapted = add_adapters(model, self.args)
         logger.info("LoRA: rank %d, alpha %g, on %d modules (%s); every other weight frozen", self.args.rank,
                     self.args.alpha, adapted, ", ".join(self.args.targets))
-        if hold_dtype is not None:
-            hold_frozen_in(model, hold_dtype)
+        hold_frozen_in(model, hold_dtype, fp8)
+
+    def fp8_held_keys(self, model_args: Qwen35MoeArgs, one_process: bool, full_ac: bool) -> frozenset[str]:
+        """The base's weights to hold in FP8: those an FP8 release base stores quantized, where the run is one
+        process under full activation checkpointing (else none: they are held dequantized, and the log says why).
+        Sharded, the float8 weights and their scales would have to shard together; without full AC the backward
+        would keep every block's dequantized weights, more than a bf16 base holds."""
+        try:
+            keys = hf_fp8_tensors(self.base, model_args)[0] if self.base else frozenset()
+        except (OSError, ValueError):  # the loading names what is wrong with the folder, in one error line
+            return frozenset()
+        if keys and not (one_process and full_ac):
+            logger.info("LoRA: the FP8 base's %d quantized weights are held dequantized, in the compute dtype: %s",
+                        len(keys), "FP8 holding is one process's" if not one_process
+                        else "FP8 holding needs activation_checkpoint.mode full")
+            return frozenset()
+        if keys:
+            logger.info("LoRA: the FP8 base's %d quantized weights held as stored (float8_e4m3fn and 128 x 128 block "
+                        "scales), dequantized where each module computes", len(keys))
+        return keys
 
     @property
     def trains_mtp(self) -> bool:

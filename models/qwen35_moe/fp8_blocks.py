@@ -43,7 +43,23 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torc
                          f"{tuple(weight.shape)} in {block} x {block} blocks needs {expected}")
     math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     rows, cols = weight.shape[-2:]
-    return (weight.to(math_dtype) * _per_element(scale_inv.to(math_dtype), rows, cols, block)).to(dtype)
+    if rows % block or cols % block:  # blocks cut at the edges: each scale repeated over its block's elements
+        return (weight.to(math_dtype) * _per_element(scale_inv.to(math_dtype), rows, cols, block)).to(dtype)
+    # Whole blocks: the scales broadcast over a blocked view, no per-element scale tensor (the same products).
+    blocked = weight.to(math_dtype).unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # (..., R/b, b, C/b, b)
+    return (blocked * scale_inv.to(math_dtype)[..., :, None, :, None]).to(dtype).flatten(-2).flatten(-3, -2)
+
+
+def dequantize_stacked(weight: torch.Tensor, scale_inv: torch.Tensor, parts: int, dtype: torch.dtype = torch.float32,
+                       block: int = BLOCK) -> torch.Tensor:
+    """dequantize_blocks of `parts` quantized weights of equal shape stacked along their rows (the routed experts'
+    gate and up projections, fused as (E, 2I, D)), `scale_inv` their scales stacked the same way: each part's blocks
+    start at its first row, so where a part's rows are not a multiple of `block` they are not the blocks of the
+    stacked weight."""
+    if parts == 1 or (weight.shape[-2] // parts) % block == 0:  # the same blocks either way
+        return dequantize_blocks(weight, scale_inv, dtype, block)
+    return torch.cat([dequantize_blocks(w, s, dtype, block)
+                      for w, s in zip(weight.chunk(parts, dim=-2), scale_inv.chunk(parts, dim=-2))], dim=-2)
 
 
 def quantize_blocks(weight: torch.Tensor, block: int = BLOCK,

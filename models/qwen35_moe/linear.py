@@ -3,7 +3,8 @@ input activations and casts its weights to it where they differ. Under FSDP's bf
 already are bf16 and the cast does nothing; the fp32-contract modules (fp32_contract.py) upcast instead.
 
 Where no FSDP policy casts them (one GPU), the model's `mixed_precision` gives each Linear a `weight_reader`
-(hooks.py), through which it reads its weight in the input's dtype instead of casting it.
+(hooks.py), through which it reads its weight in the input's dtype instead of casting it. A frozen weight held in FP8
+(a LoRA run from the FP8 release: fp8_hold.py) is dequantized to the input's dtype instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8_hold import dequantized, is_held_fp8
 from .hooks import WeightReader
 
 Cut = Callable[[torch.Tensor], torch.Tensor]
@@ -28,7 +30,10 @@ class Linear(nn.Linear):
         self.adapter: nn.Module | None = None  # a trained update beside the frozen weight (lora.py)
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype` (cast where it differs, or read through `weight_reader`)."""
+        """The weight in `dtype` (cast where it differs, read through `weight_reader`, or dequantized where it is held
+        in FP8: fp8_hold.py)."""
+        if is_held_fp8(self, "weight"):
+            return dequantized(self, "weight", dtype)
         if self.weight_reader is None:
             return self.weight.to(dtype)
         return self.weight_reader.read(self, "weight", dtype)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import Qwen35MoeArgs
+from .fp8_hold import hold_fp8
 from .hooks import canonical_name
 from .linear import Linear
 from .lora_targets import DENSE_TARGETS, LoraArgs, is_adapter_key
@@ -119,16 +120,21 @@ def adapted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if getattr(module, "adapter", None) is not None]
 
 
-def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype | None, fp8: frozenset[str] = frozenset()) -> int:
     """Hold every frozen weight of two or more dimensions in `dtype` (the compute dtype: a frozen base needs no fp32
-    master copy; vectors, the fp32 contract's among them, keep theirs); shared parameters (tied embeddings) stay
-    shared. Returns how many parameters changed."""
+    master copy; vectors, the fp32 contract's among them, keep theirs; None: as they are), and those whose
+    state-dict keys are in `fp8` (the quantized weights of an FP8 release base) as float8 with their block scales
+    (fp8_hold.py). Shared parameters (tied embeddings) stay shared. Returns how many parameters changed."""
     converted: dict[nn.Parameter, nn.Parameter] = {}
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
+            key = canonical_name(f"{prefix}.{name}" if prefix else name)
             if param in converted:
                 setattr(module, name, converted[param])
-            elif not param.requires_grad and param.ndim >= 2 and param.dtype != dtype:
+            elif not param.requires_grad and key in fp8:
+                hold_fp8(module, name)
+                converted[param] = getattr(module, name)
+            elif not param.requires_grad and param.ndim >= 2 and dtype is not None and param.dtype != dtype:
                 converted[param] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
                 setattr(module, name, converted[param])
     return len(converted)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import Qwen35MoeArgs
+from .fp8_hold import dequantized, is_held_fp8
 from .hooks import UNSHARDED, ExpertDispatch, ParallelHooks, ParamSharding, WeightReader
 from .linear import Linear
 
@@ -171,10 +172,16 @@ class RoutedExperts(nn.Module):
         return self._loop(x, counts)
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's experts' weights (the local shard under expert parallelism) in the compute dtype."""
+        """This rank's experts' weights (the local shard under expert parallelism) in the compute dtype (dequantized
+        where they are held in FP8: fp8_hold.py)."""
+        return tuple(self._weight(name, dtype) for name in ("gate_up_proj", "down_proj"))
+
+    def _weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        if is_held_fp8(self, name):
+            return dequantized(self, name, dtype)
         if self.weight_reader is not None:
-            return tuple(self.weight_reader.read(self, name, dtype) for name in ("gate_up_proj", "down_proj"))
-        return tuple(self.sharding.local(weight).to(dtype) for weight in (self.gate_up_proj, self.down_proj))
+            return self.weight_reader.read(self, name, dtype)
+        return self.sharding.local(getattr(self, name)).to(dtype)
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.

@@ -148,7 +148,7 @@ def test_each_native_tensor_is_gathered_and_read_once(tmp_path, one_rank_mesh, m
     full_tensor = DTensor.full_tensor
     monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathered.append(self) or full_tensor(self))
     shards = int(SMALL_SHARDS_GIB * 1024**3)
-    export_hf(SimpleNamespace(state_dict=lambda: sharded), ARGS, str(tmp_path / "sharded"), torch.bfloat16,
+    export_hf(SimpleNamespace(state_dict=lambda: sharded, named_modules=list), ARGS, str(tmp_path / "sharded"), torch.bfloat16,
               max_shard_bytes=shards)
     assert len(gathered) == len(sharded) and len(set(map(id, gathered))) == len(sharded)
     export_hf(model, ARGS, str(tmp_path / "plain"), torch.bfloat16, max_shard_bytes=shards)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from models.qwen35_moe.fp8_blocks import dequantize_blocks, quantize_blocks, scale_shape
+from models.qwen35_moe.fp8_blocks import dequantize_blocks, dequantize_stacked, quantize_blocks, scale_shape
 
 BLOCK, E4M3_MAX = 128, 448.0
 
@@ -48,7 +48,7 @@ def weights(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(300, 200), (3, 256, 129), (1, 1), (128, 128)])
+@pytest.mark.parametrize("shape", [(300, 200), (3, 256, 129), (1, 1), (128, 128), (2, 256, 384)])
 def test_quantize_blocks_is_the_float64_reference(shape, scale_dtype):
     w = weights(shape, seed=sum(shape))
     fp8, scale = quantize_blocks(w, scale_dtype=scale_dtype)
@@ -97,3 +97,16 @@ def test_dequantize_blocks_refuses_scales_of_another_shape():
     experts, experts_scale = quantize_blocks(weights((3, 256, 129), seed=2))
     with pytest.raises(ValueError, match=r"needs \(3, 2, 2\)"):
         dequantize_blocks(experts, experts_scale[0])
+
+
+@pytest.mark.parametrize("rows", [32, 200, 256])
+def test_stacked_weights_dequantize_each_with_its_own_blocks(rows):
+    """The routed experts' gate/up: two weights of `rows` rows quantized apart, values and scales stacked along the
+    rows. Each half dequantizes with its own scales (float64 definition), also where `rows` is not a multiple of 128
+    and the stacked weight's blocks are not the halves' blocks."""
+    gate, up = weights((3, rows, 160), seed=rows), weights((3, rows, 160), seed=rows + 1) * 3
+    (gate8, gate_scale), (up8, up_scale) = quantize_blocks(gate), quantize_blocks(up)
+    stacked = dequantize_stacked(torch.cat([gate8, up8], 1), torch.cat([gate_scale, up_scale], 1), 2, torch.float64)
+    expected = torch.cat([gate8.double() * per_element(gate_scale.double(), rows, 160),
+                          up8.double() * per_element(up_scale.double(), rows, 160)], 1)
+    assert torch.equal(stacked, expected)
