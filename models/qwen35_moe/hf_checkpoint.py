@@ -54,7 +54,7 @@ class HFCheckpointReader:
         else:
             raise FileNotFoundError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
         files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
-        self._file_of, self._shapes, self._dtypes = {}, {}, {}
+        self._file_of, self._shapes, self._dtypes, self._open = {}, {}, {}, {}
         for name in files:
             path = folder / name
             if not path.is_file():
@@ -76,8 +76,9 @@ class HFCheckpointReader:
     def read(self, key: str) -> torch.Tensor:
         path = self._file_of[key]
         try:
-            with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(key)
+            if path not in self._open:  # opened once: each opening parses the whole header (64k entries in the FP8
+                self._open[path] = safe_open(str(path), framework="pt")  # release's shards: 0.17 s a read)
+            return self._open[path].get_tensor(key)
         except Exception as e:
             raise ValueError(f"cannot read {key} from {path}: {e}") from e
 

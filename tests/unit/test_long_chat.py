@@ -9,7 +9,6 @@ import pytest
 
 from scripts.make_long_chat import TASKS, main
 from scripts.release_tokenizer import write_tokenizer
-
 from tests.unit.test_release_checkpoint import CHAT_TEMPLATE
 
 
