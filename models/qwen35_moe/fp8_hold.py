@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .fp8_blocks import FP8, dequantize_stacked, scale_shape
+from .fp8_config import SCALE_SUFFIX  # the release's name: the buffer is named as its tensor is
 
-SCALE_SUFFIX = "_scale_inv"
 _STACKED = {"gate_up_proj": 2}  # weights whose rows are several quantized weights (RoutedExperts)
 _SLICE_ELEMENTS = 1 << 26  # eager dequantization of stacked experts in slices: fp32 temporaries of <= 512 MiB
 
