@@ -123,3 +123,24 @@ def fp8_reference(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor
     rows, cols = weight.shape
     per_element = scale_inv.double().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
     return weight.double() * per_element
+
+
+def dequantized_folder(fp8: Path, folder: Path) -> Path:
+    """The FP8 release folder `fp8` (fp8_release_folder's) as an unquantized folder of the same weights: each float8
+    weight dequantized by the float64 definition (`fp8_reference`) and stored in fp32, the scales and the config's
+    quantization_config dropped, the other files copied."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True)
+    stored = load_file(fp8 / "model.safetensors")
+    save_file({k: fp8_reference(v, stored[k + "_scale_inv"]).float() if v.dtype == torch.float8_e4m3fn else v
+               for k, v in stored.items() if not k.endswith("_scale_inv")}, folder / "model.safetensors")
+    for extra in fp8.iterdir():
+        if extra.name not in ("model.safetensors", "config.json"):
+            (folder / extra.name).write_bytes(extra.read_bytes())
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

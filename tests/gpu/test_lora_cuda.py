@@ -101,26 +101,14 @@ def test_an_fp8_release_base_is_held_in_float8_and_trains_as_its_dequantized_wei
     """Compiled, full AC, bf16: the FP8 folder's quantized weights stay float8 on the GPU (dequantized in the compiled
     blocks) and the run follows the one from an unquantized folder of the same weights dequantized (float64
     definition): both compute with those weights rounded once to bf16, so only the graphs' own rounding differs."""
-    from safetensors.torch import load_file, save_file
-
     from harness.checkpoint.hf_weights import export_hf
     from models.qwen35_moe import get_flavor
-    from tests.builders import fp8_reference, fp8_release_folder, initialized_model
+    from tests.builders import dequantized_folder, fp8_release_folder, initialized_model
 
     flavor = get_flavor("debugmodel_mtp")
     export_hf(initialized_model(flavor, 3), flavor, str(tmp_path / "fp32"), torch.float32)
     fp8 = fp8_release_folder(tmp_path / "fp32", tmp_path / "fp8")
-    plain = tmp_path / "dequantized"
-    plain.mkdir()
-    stored = load_file(fp8 / "model.safetensors")
-    save_file({k: fp8_reference(v, stored[k + "_scale_inv"]).float() if v.dtype == torch.float8_e4m3fn else v
-               for k, v in stored.items() if not k.endswith("_scale_inv")}, plain / "model.safetensors")
-    for extra in fp8.iterdir():
-        if extra.name not in ("model.safetensors", "config.json"):
-            (plain / extra.name).write_bytes(extra.read_bytes())
-    config = json.loads((fp8 / "config.json").read_text())
-    del config["quantization_config"]
-    (plain / "config.json").write_text(json.dumps(config))
+    plain = dequantized_folder(fp8, tmp_path / "dequantized")
     flags = ["--model.flavor", "debugmodel_mtp", "--compile.enable", "true", "--activation_checkpoint.mode", "full"]
     runs = {}
     for name, folder in (("fp8", fp8), ("dequantized", plain)):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from harness.checkpoint.hf_weights import export_hf, hf_fp8_tensors, load_hf_weights, model_native_tensors
 from harness.train import main
@@ -20,7 +20,7 @@ from models.qwen35_moe.hf_checkpoint import from_pretrained
 from models.qwen35_moe.hooks import canonical_name
 from models.qwen35_moe.lora import add_adapters, hold_frozen_in
 from models.qwen35_moe.lora_targets import LoraArgs
-from tests.builders import fp8_reference, fp8_release_folder, initialized_model
+from tests.builders import dequantized_folder, fp8_reference, fp8_release_folder, initialized_model
 
 REPO = Path(__file__).resolve().parents[2]
 FLAVOR = get_flavor("debugmodel")  # moe_intermediate 32: gate and up each one edge block, not the stacked weight's
@@ -38,19 +38,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8-hold")
     export_hf(initialized_model(FLAVOR, 3), FLAVOR, str(root / "fp32"), torch.float32)
     fp8 = fp8_release_folder(root / "fp32", root / "fp8")
-    plain = root / "dequantized"
-    plain.mkdir()
-    stored = load_file(fp8 / "model.safetensors")
-    tensors = {k: fp8_reference(v, stored[k + "_scale_inv"]).float() if v.dtype == torch.float8_e4m3fn else v
-               for k, v in stored.items() if not k.endswith("_scale_inv")}
-    save_file(tensors, plain / "model.safetensors")
-    for extra in fp8.iterdir():
-        if extra.name not in ("model.safetensors", "config.json"):
-            (plain / extra.name).write_bytes(extra.read_bytes())
-    config = json.loads((fp8 / "config.json").read_text())
-    del config["quantization_config"]
-    (plain / "config.json").write_text(json.dumps(config))
-    return {"fp8": fp8, "dequantized": plain}
+    return {"fp8": fp8, "dequantized": dequantized_folder(fp8, root / "dequantized")}
 
 
 def _held_model(folder: Path) -> Qwen35MoeModel:
