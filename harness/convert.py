@@ -1,7 +1,7 @@
 """Offline DCP -> Hugging Face conversion of one checkpoint step, in one CPU process (no torchrun, no GPU).
 
     python -m harness.convert <dump_folder>/checkpoint/step-N <hf_out_dir> [--dtype bfloat16] [--max-shard-gib 5]
-                              [--base <hf_folder>]
+                              [--base <hf_folder>] [--quantized fp8]
 
 Reads the model weights only (never the optimizer state), one tensor at a time, and writes each to its output
 shard as it comes: memory stays at a few times the largest tensor (DCP reads a tensor's bytes, then builds it; an
@@ -47,6 +47,7 @@ from models.qwen35_moe.lora_targets import is_adapter_key
 
 from .checkpoint.checkpointer import model_tensors
 from .checkpoint.errors import CheckpointError
+from .checkpoint.fp8_export import QUANTIZED_EXPORTS
 from .checkpoint.hf_weights import ExportUnit, check_hf_export_folder, write_native_export
 from .checkpoint.integrity import COMPLETE, check_files, hash_threads, read_complete
 from .checkpoint.plain_state import from_bytes
@@ -64,9 +65,10 @@ class ConvertError(ValueError):
 
 
 def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None, max_shard_gib: float = 5.0,
-            base: str | None = None) -> list[Path]:
+            base: str | None = None, quantized: str = "none") -> list[Path]:
     """Write the step's HF folder at `out_dir` (and, for a LoRA step, its PEFT adapter beside it, published with it
-    as one unit); `base`: the HF folder of a LoRA run's base, if not where the run loaded it from. Returns the folders
+    as one unit); `base`: the HF folder of a LoRA run's base, if not where the run loaded it from; `quantized` "fp8":
+    the model re-quantized into the FP8 release's layout (harness/checkpoint/fp8_export.py). Returns the folders
     written."""
     step_dir = Path(step_dir)
     meta_dir = step_dir / "hf"
@@ -120,9 +122,9 @@ def convert(step_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
     options = {"extra_files": extra_files, "max_shard_bytes": int(max_shard_gib * 1024**3), "source": step_dir}
     with ExportUnit() as unit:  # a LoRA step's merged model and adapter: both written, or neither
         if part is not None:
-            notes = part.write_exports(out_dir, args, export_dtype, shapes, read, unit, **options)
+            notes = part.write_exports(out_dir, args, export_dtype, shapes, read, unit, quantized=quantized, **options)
         else:
-            write_native_export(out_dir, args, export_dtype, shapes, read, unit=unit, **options)
+            write_native_export(out_dir, args, export_dtype, shapes, read, unit=unit, quantized=quantized, **options)
     for note in notes:
         print(note)
     return [folder.resolve() for _, folder in unit.written]
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, metavar="{" + ",".join(DTYPES) + "}",
                         help="export dtype (default: the run's checkpoint.export_dtype)")
     parser.add_argument("--max-shard-gib", default="5", help="largest output shard (default 5)")
+    parser.add_argument("--quantized", default="none", metavar="{" + ",".join(QUANTIZED_EXPORTS) + "}",
+                        help="fp8: the model re-quantized block-wise into the FP8 release's layout (default none)")
     parser.add_argument("--base", default=None, help="a LoRA run's checkpoint: the HF folder of the base its adapters "
                         "were trained on (default: where the run loaded it from; its digest must be the saved one)")
     args = parser.parse_args(argv)
@@ -207,13 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     problems = []  # every one at once, as the trainer names a config's
     if args.dtype is not None and args.dtype not in DTYPES:
         problems.append(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    if args.quantized not in QUANTIZED_EXPORTS:
+        problems.append(f"--quantized {args.quantized!r} is not one of {', '.join(QUANTIZED_EXPORTS)}")
     if shard_gib is None:
         problems.append(f"--max-shard-gib {args.max_shard_gib!r} is not a positive number of GiB")
     if problems:
         print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 2
     try:
-        written = convert(args.step_dir, args.out_dir, args.dtype, shard_gib, args.base)
+        written = convert(args.step_dir, args.out_dir, args.dtype, shard_gib, args.base, args.quantized)
     except (ConvertError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -368,10 +368,12 @@ class Trainer:
         dtype = DTYPES[self.cfg.checkpoint.export_dtype]
         with ExportUnit() as unit:
             self.export_unit = unit
+            quantized = self.cfg.checkpoint.export_quantized
             if self.lora is not None:  # merged, and the PEFT adapter beside it
-                self.lora.export(self.model, self.model_args, folder, dtype, self.tokenizer, unit)
+                self.lora.export(self.model, self.model_args, folder, dtype, self.tokenizer, unit, quantized=quantized)
             else:
-                export_hf(self.model, self.model_args, folder, dtype, tokenizer=self.tokenizer, unit=unit)
+                export_hf(self.model, self.model_args, folder, dtype, tokenizer=self.tokenizer, unit=unit,
+                          quantized=quantized)
         return " and ".join(os.path.abspath(written) for _, written in unit.written)
 
     def _free_export_folder(self) -> str:

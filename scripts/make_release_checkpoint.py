@@ -47,9 +47,9 @@ pull request, for one, counts the Qwen3.6 FP8 release's 30,720 per-expert weight
 - Every 2-D `.weight` of the text model and the MTP layer outside those modules (self_attn q/k/v/o_proj, linear_attn
   in_proj_qkv, in_proj_z and out_proj, the shared expert's and the routed experts' gate/up/down_proj) is float8_e4m3fn,
   with `<module>.weight_scale_inv` beside it: one scale per 128 x 128 block, (ceil(rows/128), ceil(cols/128)), in
-  SCALE_DTYPE (models/qwen35_moe/fp8_blocks.py). The main layers' routed experts are stored per expert, as the FP8
-  release stores them (`...mlp.experts.{e}.{gate,up,down}_proj.weight`, each with its scales; the BF16 release holds
-  them fused), the MTP's per expert as in BF16.
+  SCALE_DTYPE (models/qwen35_moe/fp8_layout.py: the quantized export writes the same layout). The main layers'
+  routed experts are stored per expert, as the FP8 release stores them (`...mlp.experts.{e}.{gate,up,down}_proj.weight`,
+  each with its scales; the BF16 release holds them fused), the MTP's per expert as in BF16.
 - Everything else (embedding, lm_head, norms, routers, shared_expert_gate, in_proj_a/b, conv1d, A_log, dt_bias, the
   vision tower) is the BF16 folder's, byte for byte.
 - Values: the BF16 folder's of the same seed, quantized: each weight drawn as the BF16 path draws it (an expert cut
@@ -87,7 +87,9 @@ sys.path.insert(0, str(REPO))
 
 from harness.cli_parser import OneLineParser  # noqa: E402
 from models.qwen35_moe import Qwen35MoeArgs, Qwen35MoeStateDictAdapter  # noqa: E402
-from models.qwen35_moe.fp8_blocks import BLOCK, FP8, quantize_blocks, scale_shape  # noqa: E402
+from models.qwen35_moe.fp8_blocks import BLOCK, FP8, quantize_blocks  # noqa: E402
+from models.qwen35_moe.fp8_config import SCALE_SUFFIX  # noqa: E402
+from models.qwen35_moe.fp8_layout import SCALE_DTYPE, Piece, fp8_tensor_specs, quantization_config  # noqa: E402
 from models.qwen35_moe.hf_checkpoint import write_shard  # noqa: E402
 from models.qwen35_moe.init import initial_value  # noqa: E402
 from scripts.release_tokenizer import write_tokenizer  # noqa: E402
@@ -96,16 +98,6 @@ CHAT_TEMPLATE = REPO / "tests" / "data" / "qwen35_chat_template.jinja"  # the re
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_BYTES = 5 * 1024**3
 F32_TENSORS = ("linear_attn.A_log", "linear_attn.norm.weight")  # the release's only F32 tensors
-
-# --fp8. The FP8 release stores its block scales in BF16; DeepSeek-V3's checkpoints and transformers' fine-grained FP8
-# quantizer write them in float32: a reader must accept both.
-SCALE_DTYPE = torch.bfloat16
-SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> its block scales `X.weight_scale_inv`
-FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": [BLOCK, BLOCK]}  # and modules_to_not_convert (`modules_to_not_convert`)
-# Modules of every layer (main and MTP) that the FP8 release keeps in BF16 (`modules_to_not_convert`).
-KEPT_BF16_IN_LAYERS = (".mlp.gate", ".mlp.shared_expert_gate", ".linear_attn.in_proj_a", ".linear_attn.in_proj_b")
-_FUSED_EXPERTS = re.compile(r"^(model\.language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 RELEASE_TEXT_CONFIG = {
     "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "dtype": "bfloat16",
@@ -195,64 +187,9 @@ def vision_specs(vision_config: dict) -> dict[str, tuple[torch.dtype, tuple[int,
     return {f"model.visual.{k}": (torch.bfloat16, tuple(v.shape)) for k, v in tower.state_dict().items()}
 
 
-def modules_to_not_convert(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
-    """The FP8 release's quantization_config.modules_to_not_convert for the BF16 release's tensors `specs` (the
-    modules the release keeps unquantized; the exact names and order of its own list are not confirmed): lm_head and
-    the embedding, then every layer's router, shared_expert_gate and linear_attn.in_proj_a/b (KEPT_BF16_IN_LAYERS,
-    the layers in order), mtp.fc and the MTP layers' likewise, and the whole vision tower. A module's tensors are
-    `<module>.<name>`."""
-    in_layers = [module for module in (name.removesuffix(".weight") for name in specs if name.endswith(".weight"))
-                 if module.endswith(KEPT_BF16_IN_LAYERS) and not module.startswith("model.visual.")]
-    return ["lm_head", "model.language_model.embed_tokens", *(m for m in in_layers if not m.startswith("mtp.")),
-            "mtp.fc", *(m for m in in_layers if m.startswith("mtp.")), "model.visual"]
-
-
 def fp8_release_config(config: dict, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict:
     """config.json of the FP8 release: `config` with a top-level quantization_config (module docstring, --fp8)."""
-    return {**config, "quantization_config": {**FP8_QUANTIZATION,
-                                              "modules_to_not_convert": modules_to_not_convert(specs)}}
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Where a tensor of the FP8 layout takes its value: the BF16 tensor `source`, or rows start:stop of one expert of
-    it (a main layer's fused experts)."""
-
-    source: str
-    expert: int | None = None
-    start: int = 0
-    stop: int = 0
-
-
-def fp8_tensor_specs(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-                     ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, Piece]]:
-    """The FP8 release's tensors from the BF16 release's `specs` (module docstring, --fp8): ({name: (dtype, shape)},
-    {name: its Piece}, the scales having none). The main layers' fused experts are split per expert, gate_proj =
-    gate_up_proj[e, :I], up_proj = gate_up_proj[e, I:], down_proj = down_proj[e]; each 2-D `.weight` outside
-    `modules_to_not_convert` becomes float8 with its `weight_scale_inv`; the rest keeps its dtype."""
-    kept = modules_to_not_convert(specs)
-    out, pieces = {}, {}
-    for name, (dtype, shape) in specs.items():
-        fused = _FUSED_EXPERTS.match(name)
-        if fused is None:
-            parts = {name: (Piece(name), shape)}
-        else:
-            base, kind = fused.groups()
-            experts, rows, cols = shape
-            halves = ({"gate_proj": (0, rows // 2), "up_proj": (rows // 2, rows)} if kind == "gate_up_proj"
-                      else {"down_proj": (0, rows)})
-            parts = {f"{base}.{e}.{part}.weight": (Piece(name, e, start, stop), (stop - start, cols))
-                     for e in range(experts) for part, (start, stop) in halves.items()}
-        for part, (piece, part_shape) in parts.items():
-            pieces[part] = piece
-            module = part.removesuffix(".weight")
-            if module != part and len(part_shape) == 2 and not any(module == m or module.startswith(m + ".")
-                                                                    for m in kept):
-                out[part] = (FP8, part_shape)
-                out[part + SCALE_SUFFIX] = (SCALE_DTYPE, scale_shape(part_shape, BLOCK))
-            else:
-                out[part] = (dtype, part_shape)
-    return out, pieces
+    return {**config, "quantization_config": quantization_config(specs)}
 
 
 def nbytes(spec: tuple[torch.dtype, tuple[int, ...]]) -> int:

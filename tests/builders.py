@@ -54,10 +54,11 @@ def compile_blocks(model: Qwen35MoeModel) -> Qwen35MoeModel:
 
 
 # Modules an FP8 release keeps unquantized, as the release's own modules_to_not_convert lists them (embedding,
-# lm_head, router, shared expert gate, Gated DeltaNet's per-head projections); norms, conv1d, A_log and dt_bias are
+# lm_head, router, shared expert gate, Gated DeltaNet's per-head projections, the MTP layer's fc); norms, conv1d, A_log and dt_bias are
 # not Linear weights and stay as they are too.
 FP8_KEPT = ("model.embed_tokens", "lm_head", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_expert_gate",
-            "model.layers.*.linear_attn.in_proj_a", "model.layers.*.linear_attn.in_proj_b")
+            "model.layers.*.linear_attn.in_proj_a", "model.layers.*.linear_attn.in_proj_b", "mtp.fc",
+            "mtp.layers.*.mlp.gate", "mtp.layers.*.mlp.shared_expert_gate")
 
 
 def fp8_release_folder(source: Path, folder: Path, scale_dtype: torch.dtype = torch.float32) -> Path:

@@ -61,6 +61,7 @@ from models.qwen35_moe.lora_targets import is_adapter_key
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
 from .errors import CheckpointError, ExportRefused, agreed
+from .fp8_export import Fp8ExportTensors
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +182,12 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
                     fetch: Callable[[list[str], bool], Iterable[tuple[str, torch.Tensor | None]]],
                     extra_files: Callable[[Path], None] | None = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES, source: str | Path | None = None,
-                    unit: ExportUnit | None = None) -> None:
+                    unit: ExportUnit | None = None, quantization: dict | None = None) -> None:
     """Write an HF folder shard by shard; called by every rank alike (`specs`: export dtype and shape of every
     HF key). `fetch(keys, keep)` yields (key, tensor) for those HF keys, in sorted order and export dtype, one at
     a time: the tensor where `keep` (the shard's owner, who writes it to disk at once), None elsewhere. It may
-    run collectives: every rank consumes it whole, in the same order.
+    run collectives: every rank consumes it whole, in the same order. `quantization`: config.json's
+    quantization_config (an FP8 export's).
 
     `folder` is first checked (`check_hf_export_folder`, with `source` the checkpoint it is made from): a folder
     that is not an export of ours is never replaced. Everything is written into `<folder>.tmp` and renamed into
@@ -195,7 +197,8 @@ def write_hf_folder(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
     shards = plan_shards(specs, max_shard_bytes)
     files = {name: {k: specs[k] for k in keys} for name, keys in zip(shard_names(len(shards)), shards)}
     write_export_folder(folder, files, fetch,
-                        lambda tmp: write_hf_metadata(tmp, args, dtype, shards, specs, extra_files), source, unit)
+                        lambda tmp: write_hf_metadata(tmp, args, dtype, shards, specs, extra_files, quantization),
+                        source, unit)
 
 
 def write_export_folder(folder: str | Path, files: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]],
@@ -346,19 +349,24 @@ def model_native_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], 
 def write_native_export(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dtype,
                         shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor], tokenizer=None,
                         max_shard_bytes: int = MAX_SHARD_BYTES, unit: ExportUnit | None = None,
-                        extra_files: Callable[[Path], None] | None = None, source: str | Path | None = None) -> None:
+                        extra_files: Callable[[Path], None] | None = None, source: str | Path | None = None,
+                        quantized: str = "none") -> None:
     """Write native tensors (`shapes`, each read whole by `read`, once, in the same order on every rank) as a Hugging
-    Face folder in the official layout (write_hf_folder). With `tokenizer` (the one the run trained with), the folder
-    also holds its tokenizer files, and config.json and generation_config.json carry its BOS / EOS ids, so
-    `AutoTokenizer` and `generate` work on it as it is; `extra_files` writes other files instead (the converter's)."""
+    Face folder in the official layout (write_hf_folder); `quantized` "fp8": in the FP8 release's layout instead
+    (fp8_export.py). With `tokenizer` (the one the run trained with), the folder also holds its tokenizer files, and
+    config.json and generation_config.json carry its BOS / EOS ids, so `AutoTokenizer` and `generate` work on it as
+    it is; `extra_files` writes other files instead (the converter's)."""
     tensors = ExportTensors(Qwen35MoeStateDictAdapter(args), shapes, dtype, read)
+    if quantized == "fp8":
+        tensors = Fp8ExportTensors(tensors)
     if tokenizer is not None:
         args, extra_files = with_tokenizer(args, tokenizer)
-    write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes, source, unit)
+    write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes, source, unit,
+                    getattr(tensors, "quantization", None))
 
 
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,
-              max_shard_bytes: int = MAX_SHARD_BYTES, unit: ExportUnit | None = None) -> None:
+              max_shard_bytes: int = MAX_SHARD_BYTES, unit: ExportUnit | None = None, quantized: str = "none") -> None:
     """Write the (possibly sharded) model as a Hugging Face folder, every rank writing its share of the shards
     (write_native_export). A model with LoRA adapters is exported by its LoRA part instead (harness/lora/run.py:
     merged, and a PEFT adapter beside it)."""
@@ -366,7 +374,7 @@ def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.d
     shapes, read = model_native_tensors(model)
     if any(map(is_adapter_key, shapes)):
         raise ValueError("a model with LoRA adapters is exported by harness/lora (LoraRun.export), merged")
-    write_native_export(folder, args, dtype, shapes, read, tokenizer, max_shard_bytes, unit)
+    write_native_export(folder, args, dtype, shapes, read, tokenizer, max_shard_bytes, unit, quantized=quantized)
     if unit is None:  # else the unit's owner says so once the unit is published
         logger.info("exported Hugging Face checkpoint to %s in %.1f s", os.path.abspath(folder),
                     time.perf_counter() - started)
@@ -398,18 +406,23 @@ class ExportTensors:
         self._left = Counter(self.native_of.values())  # per native tensor: its HF keys not fetched yet
         self._held: dict[str, torch.Tensor] = {}
 
+    def value(self, hf_key: str, keep: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """HF tensor `hf_key` in its export dtype (or `dtype`: an FP8 export quantizes from fp32), on the device its
+        native tensor was read to (None unless `keep`). Every HF key is asked for once, in the same order on every
+        rank."""
+        key = self.native_of[hf_key]
+        if key not in self._held:
+            self._held[key] = self._read(key)
+        native = self._held[key]
+        self._left[key] -= 1
+        if self._left[key] == 0:
+            del self._held[key]  # not held past its last key while the shard is written
+        return self._adapter.to_hf_tensor(hf_key, native).detach().to(dtype or self.specs[hf_key][0]) if keep else None
+
     def fetch(self, keys: list[str], keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
         for hf_key in keys:
-            key = self.native_of[hf_key]
-            if key not in self._held:
-                self._held[key] = self._read(key)
-            native = self._held[key]
-            self._left[key] -= 1
-            if self._left[key] == 0:
-                del self._held[key]
-            hf = self._adapter.to_hf_tensor(hf_key, native).detach().to("cpu", self.specs[hf_key][0]) if keep else None
-            del native  # not held past its last key while the shard is written
-            yield hf_key, hf
+            hf = self.value(hf_key, keep)
+            yield hf_key, None if hf is None else hf.to("cpu")
 
 
 def with_tokenizer(args: Qwen35MoeArgs, tokenizer) -> tuple[Qwen35MoeArgs, Callable[[Path], None] | None]:

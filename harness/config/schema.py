@@ -175,6 +175,9 @@ class Checkpoint:
     async_mode: Literal["disabled", "async"] = "disabled"  # "async": write in the background while training goes on
     export_hf_at_end: bool = False  # write a Hugging Face folder to <dump_folder>/hf at the end
     export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # A_log, dt_bias, GDN norm: always F32
+    # "fp8": the exported model re-quantized block-wise into the FP8 release's layout (float8 weights with 128 x 128
+    # block scales, harness/checkpoint/fp8_export.py), what vLLM / SGLang serve as they serve Qwen3.5-35B-A3B-FP8
+    export_quantized: Literal["none", "fp8"] = "none"
     initial_load_hf: str = ""  # HF checkpoint folder to initialise weights from (when none to resume)
     # Step to resume from; -1 = the newest that verifies. An older step rolls back: the later ones are moved to
     # <folder>/abandoned-<time>/. Like restart_data, a one-off: the saved config.toml holds the default.

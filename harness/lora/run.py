@@ -133,7 +133,7 @@ class LoraRun:
         return [folder, adapter_folder(folder)]
 
     def export(self, model: nn.Module, model_args: Qwen35MoeArgs, folder: str | Path, dtype: torch.dtype, tokenizer,
-               unit: ExportUnit, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+               unit: ExportUnit, max_shard_bytes: int = MAX_SHARD_BYTES, quantized: str = "none") -> list[str]:
         """The end-of-run exports of the trained (possibly sharded) model (`write_exports`): every rank calls this
         alike."""
         shapes, read = model_native_tensors(model)
@@ -147,20 +147,22 @@ class LoraRun:
                                   f"{', '.join(self.args.targets)} (mtp {self.args.mtp}) with alpha "
                                   f"{self.args.alpha:g}: the exports would misstate them", every_rank=True)
         return self.write_exports(folder, model_args, dtype, shapes, read, unit, tokenizer=tokenizer,
-                                  max_shard_bytes=max_shard_bytes)
+                                  max_shard_bytes=max_shard_bytes, quantized=quantized)
 
     def write_exports(self, folder: str | Path, model_args: Qwen35MoeArgs, dtype: torch.dtype,
                       shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor], unit: ExportUnit,
                       tokenizer=None, extra_files=None, max_shard_bytes: int = MAX_SHARD_BYTES,
-                      source: str | Path | None = None) -> list[str]:
+                      source: str | Path | None = None, quantized: str = "none") -> list[str]:
         """The merged model at `folder` and the PEFT adapter beside it, into `unit`, from native tensors (the base's
         weights and the adapters' factors alike: `shapes`, each read whole by `read`); `source`: the checkpoint
-        they come from (the converter's). Returns what the PEFT folder leaves out or states otherwise."""
+        they come from (the converter's); `quantized` "fp8": the merged model re-quantized into the FP8 release's
+        layout. Returns what the PEFT folder leaves out or states otherwise."""
         merges = adapter_merges(shapes, self.args.scale_of)
         logger.info("LoRA: %d adapted weights written merged (W + s * B A, summed in fp32)", len(merges))
         base = {k: s for k, s in shapes.items() if not is_adapter_key(k)}
-        write_native_export(folder, model_args, dtype, base, merged_reads(read, merges, dtype), tokenizer,
-                            max_shard_bytes, unit, extra_files, source)
+        merged_dtype = torch.float32 if quantized == "fp8" else dtype  # quantized from W + s B A unrounded
+        write_native_export(folder, model_args, dtype, base, merged_reads(read, merges, merged_dtype), tokenizer,
+                            max_shard_bytes, unit, extra_files, source, quantized)
         adapters = {k: s for k, s in shapes.items() if is_adapter_key(k)}
         return write_peft_adapter(adapter_folder(folder), self.args, adapters, read, self.base or None, source, unit)
 

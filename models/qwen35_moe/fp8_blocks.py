@@ -65,12 +65,14 @@ def dequantize_stacked(weight: torch.Tensor, scale_inv: torch.Tensor, parts: int
 def quantize_blocks(weight: torch.Tensor, block: int = BLOCK,
                     scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, scale_inv in `scale_dtype`) of `weight` (..., R, C): each block's amax mapped to 448.
-    The division uses the stored (rounded) scale, so dequantize_blocks inverts it up to e4m3's own rounding."""
-    w = weight.detach().to(torch.float32)
-    *lead, rows, cols = w.shape
-    padded = torch.nn.functional.pad(w, (0, -cols % block, 0, -rows % block))  # zeros never raise a block's amax
-    blocks = padded.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # (..., R/b, b, C/b, b)
-    amax = blocks.abs().amax(dim=(-3, -1))
+    The division uses the stored (rounded) scale, so dequantize_blocks inverts it up to e4m3's own rounding. Beside
+    its output it holds one fp32 copy of `weight` (an export quantizes a layer's experts at once on the GPU)."""
+    *lead, rows, cols = weight.shape
+    w = weight.detach().to(torch.float32, copy=True)
+    if rows % block or cols % block:  # zeros never raise a block's amax
+        w = torch.nn.functional.pad(w, (0, -cols % block, 0, -rows % block))
+    blocks = w.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # (..., R/b, b, C/b, b), a view of w
+    amax = torch.maximum(blocks.amax(dim=(-3, -1)), -blocks.amin(dim=(-3, -1)))  # no |w| copy
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(scale_dtype)
-    scaled = w / _per_element(scale_inv.to(torch.float32), rows, cols, block)
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale_inv
+    blocks.div_(scale_inv.to(torch.float32)[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return w[..., :rows, :cols].to(FP8), scale_inv

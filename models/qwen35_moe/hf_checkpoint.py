@@ -328,11 +328,13 @@ def publish_hf_folder(tmp: Path, folder: str | Path, args: Qwen35MoeArgs, dtype:
 
 def write_hf_metadata(tmp: Path, args: Qwen35MoeArgs, dtype: torch.dtype, shards: list[list[str]],
                       specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                      extra_files: Callable[[Path], None] | None = None) -> None:
-    """What an HF folder holds beside its shards, into `tmp` once they are written: config.json, the index (last: it
-    names the shards) when there are several, then `extra_files(tmp)` (the tokenizer)."""
+                      extra_files: Callable[[Path], None] | None = None, quantization: dict | None = None) -> None:
+    """What an HF folder holds beside its shards, into `tmp` once they are written: config.json (with
+    `quantization` as its quantization_config: an FP8 export's), the index (last: it names the shards) when there are
+    several, then `extra_files(tmp)` (the tokenizer)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype_name), indent=2) + "\n")
+    config = args.to_hf_config(dtype_name) | ({"quantization_config": quantization} if quantization else {})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if len(shards) > 1:
         names = shard_names(len(shards))
         weight_map = {key: name for name, keys in zip(names, shards) for key in keys}
