@@ -6,6 +6,7 @@ layout, transformers' fine-grained FP8 reading it, and the converter writing the
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,3 +139,19 @@ def test_a_lora_run_from_an_fp8_release_gives_back_the_weights_it_did_not_adapt_
                      and torch.equal(exported[scale], stored[scale]))
         assert unchanged == (key not in adapted), key
     assert len(quantized) - len(adapted) > 20 and adapted
+
+
+def test_the_accuracy_benchmarks_in_place_requantization_is_the_fp8_export_read_back(exports, tmp_path):
+    """benchmarks/fp8_export_error.py measures the FP8 export's error without writing it: its weights, quantized in
+    place in the model loaded from the fp32 merged export, are those of the FP8 export (fp32) read back."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from fp8_export_error import quantized_weights, requantize
+
+    lora_exports(exports.model, LORA, tmp_path / "fp8", None, torch.float32, quantized="fp8")
+    model = from_pretrained(exports.reference.parent / "fp32", dtype=torch.float32)
+    weights = quantized_weights(model, ARGS)
+    for weight, parts in weights.values():
+        requantize(weight, parts)
+    ours, exported = model.state_dict(), from_pretrained(tmp_path / "fp8", dtype=torch.float32).state_dict()
+    assert len(weights) > 20 and ours.keys() == exported.keys()
+    assert all(torch.equal(ours[k], exported[k]) for k in ours)
