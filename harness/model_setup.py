@@ -24,6 +24,7 @@ from parallel.vocab_parallel import resolve_vocab_parallel
 from .checkpoint.hf_weights import load_hf_weights
 from .config import JobConfig
 from .config.run_requirements import model_args_of
+from .float8 import convert_to_float8
 from .lora.run import LoraRun
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
         logger.warning("debug.moe_force_load_balance: benchmarks only. The %d MoE layers send token n of each layer's "
                        "N local tokens to experts (n * k + j) mod E, not to the router's top-k: equal expert load, "
                        "the routing is not learned and the balance loss stays at about top_k", layers)
+    convert_to_float8(model, cfg, device)  # [quantize]: before parallelizing, as torchao's converters go
     if device.type == "cuda":
         require_fla()
     if device.type == "cuda" and cfg.model.fla_hopper_backward == "auto":

@@ -247,6 +247,19 @@ class Lora:
 
 
 @dataclass
+class Quantize:
+    # FP8 training of the blocks' dense projections (harness/float8.py; torchao: pip install -e '.[fp8]'; a GPU of
+    # compute capability 8.9 or newer): "none", or torchao's recipe, "rowwise" (per-row scales, powers of two),
+    # "rowwise_with_gw_hp" (the weight gradient in high precision) or "tensorwise". Weights, optimizer state,
+    # checkpoints and exports are unchanged: a run resumes across the modes. Not with lora.enable.
+    linear_float8_recipe: Literal["none", "rowwise", "rowwise_with_gw_hp", "tensorwise"] = "none"
+    # Projections kept in bf16: those whose name contains one of these (and any whose sizes are not multiples of 16)
+    linear_float8_filter_fqns: list[str] = field(default_factory=lambda: [
+        "lm_head", "shared_expert_gate", "in_proj_a", "in_proj_b", "mtp."])
+    linear_float8_emulate: bool = False  # the FP8 casts with the GEMMs emulated in high precision: CPU tests only
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -262,6 +275,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
     lora: Lora = field(default_factory=Lora)
+    quantize: Quantize = field(default_factory=Quantize)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
