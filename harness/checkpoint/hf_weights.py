@@ -362,7 +362,7 @@ def write_native_export(folder: str | Path, args: Qwen35MoeArgs, dtype: torch.dt
     if tokenizer is not None:
         args, extra_files = with_tokenizer(args, tokenizer)
     write_hf_folder(folder, args, dtype, tensors.specs, tensors.fetch, extra_files, max_shard_bytes, source, unit,
-                    getattr(tensors, "quantization", None))
+                    tensors.quantization)
 
 
 def export_hf(model: nn.Module, args: Qwen35MoeArgs, folder: str, dtype: torch.dtype, tokenizer=None,
@@ -393,6 +393,8 @@ class ExportTensors:
     (1.5 times the largest tensor, a main layer's gate_up_proj); on the device that gathered them in the end-of-run
     export, on the host in the converter. The shard's owner holds one HF tensor more, in the export dtype, on the
     host, until it is in the file."""
+
+    quantization = None  # config.json's quantization_config: none (fp8_export.Fp8ExportTensors has one)
 
     def __init__(self, adapter: Qwen35MoeStateDictAdapter, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
                  read: Callable[[str], torch.Tensor]):
