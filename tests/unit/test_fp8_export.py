@@ -6,6 +6,7 @@ layout, transformers' fine-grained FP8 reading it, and the converter writing the
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,12 +27,13 @@ from tests.unit.test_export_mtp_layout import headers
 from tests.unit.test_lora_export import ARGS, FEW, LORA, SMALL_SHARDS, ids, lora_exports, lora_model, lora_step
 
 REPO = Path(__file__).resolve().parents[2]
-# a LoRA run that holds an FP8 base in FP8 (one process, full AC) and exports FP8 at its end
-HELD_RUN = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-            "--training.steps", "2", "--lora.enable", "true", "--lora.targets", "q_proj,v_proj",
-            "--activation_checkpoint.mode", "full", "--checkpoint.export_hf_at_end", "true",
-            "--checkpoint.export_quantized", "fp8",
-            "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl")]
+# a run that exports FP8 at its end, and a LoRA run of it that holds an FP8 base in FP8 (one process, full AC)
+FP8_EXPORT_RUN = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.enable_tensorboard",
+                  "false", "--training.steps", "2", "--checkpoint.export_hf_at_end", "true",
+                  "--checkpoint.export_quantized", "fp8", "--checkpoint.export_dtype", "bfloat16",
+                  "--training.dataset_path", str(REPO / "data" / "debug_corpus" / "train.jsonl")]
+HELD_RUN = [*FP8_EXPORT_RUN, "--lora.enable", "true", "--lora.targets", "q_proj,v_proj",
+            "--activation_checkpoint.mode", "full"]
 SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 
 
@@ -156,3 +158,19 @@ def test_the_accuracy_benchmarks_in_place_requantization_is_the_fp8_export_read_
     ours, exported = model.state_dict(), from_pretrained(tmp_path / "fp8", dtype=torch.float32).state_dict()
     assert len(weights) > 20 and ours.keys() == exported.keys()
     assert all(torch.equal(ours[k], exported[k]) for k in ours)
+
+
+def test_a_full_fine_tune_exports_fp8_at_its_end_and_through_the_converter(tmp_path):
+    """Without LoRA: the end of the run writes the FP8 layout (the script's release layout, checked from the headers
+    by benchmarks/tools/fp8_layout_check.py), our loader reads it back as an FP8 release, and the converter writes the
+    same bytes from the run's last checkpoint."""
+    dump = tmp_path / "run"
+    assert train_main([*FP8_EXPORT_RUN, "--model.flavor", "debugmodel_mtp", "--checkpoint.enable", "true",
+                       "--job.dump_folder", str(dump)]) == 0
+    checked = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tools" / "fp8_layout_check.py"),
+                              str(dump / "hf")], capture_output=True, text=True)
+    assert checked.returncode == 0 and " 0 differ; quantization_config as the release" in checked.stdout
+    model = from_pretrained(dump / "hf", dtype=torch.float32)  # through fp8_release.py's checks
+    assert model.mtp is not None
+    assert convert_main([str(dump / "checkpoint" / "step-2"), str(tmp_path / "out"), "--quantized", "fp8"]) == 0
+    assert files_under(tmp_path / "out") == files_under(dump / "hf")
