@@ -251,12 +251,16 @@ class Quantize:
     # FP8 training of the blocks' dense projections (harness/float8.py; torchao: pip install -e '.[fp8]'; a GPU of
     # compute capability 8.9 or newer): "none", or torchao's recipe, "rowwise" (per-row scales, powers of two),
     # "rowwise_with_gw_hp" (the weight gradient in high precision) or "tensorwise". Weights, optimizer state,
-    # checkpoints and exports are unchanged: a run resumes across the modes. Not with lora.enable.
+    # checkpoints and exports are unchanged: a run resumes across the modes. Not with lora.enable (nor the experts').
     linear_float8_recipe: Literal["none", "rowwise", "rowwise_with_gw_hp", "tensorwise"] = "none"
     # Projections kept in bf16: those whose name contains one of these (and any whose sizes are not multiples of 16)
     linear_float8_filter_fqns: list[str] = field(default_factory=lambda: [
         "lm_head", "shared_expert_gate", "in_proj_a", "in_proj_b", "mtp."])
-    linear_float8_emulate: bool = False  # the FP8 casts with the GEMMs emulated in high precision: CPU tests only
+    # The routed experts whose grouped GEMMs run in FP8 (torchao's rowwise recipe, each expert's token group padded
+    # to 16 rows): those whose module name contains one of these, e.g. ["experts"] (every MoE layer's, the MTP's too)
+    # or ["layers."] (the main layers'); [] = none
+    grouped_mm_float8_fqns: list[str] = field(default_factory=list)
+    float8_emulate: bool = False  # the FP8 casts with the GEMMs emulated in high precision: CPU tests only
 
 
 @dataclass

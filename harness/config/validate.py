@@ -167,11 +167,14 @@ def _between_keys_problems(cfg: JobConfig, unusable: frozenset[str]) -> list[str
                             f"{decay_start} (training.steps {steps} * (1 - decay_ratio {ratio})); lower warmup_steps "
                             f"or decay_ratio")
     problems += lora_config_problems(cfg, unusable)
-    if cfg.quantize.linear_float8_recipe != "none" and cfg.lora.enable and not unusable & {
-            "quantize.linear_float8_recipe", "lora.enable"}:
-        problems.append(f"quantize.linear_float8_recipe {cfg.quantize.linear_float8_recipe!r} trains the model's "
-                        "projections in FP8; with lora.enable they are frozen (their weight gradients would be "
-                        "computed for nothing): set quantize.linear_float8_recipe none for LoRA")
+    q = cfg.quantize
+    if cfg.lora.enable and not unusable & {"quantize.linear_float8_recipe", "quantize.grouped_mm_float8_fqns",
+                                            "lora.enable"} and (q.linear_float8_recipe != "none"
+                                                                or q.grouped_mm_float8_fqns):
+        problems.append("FP8 training (quantize.linear_float8_recipe, quantize.grouped_mm_float8_fqns) trains the "
+                        "model's weights in FP8; with lora.enable they are frozen (their weight gradients would be "
+                        "computed for nothing): set quantize.linear_float8_recipe none and "
+                        "quantize.grouped_mm_float8_fqns [] for LoRA")
     p = cfg.profiling
     if (p.enable_profiling or p.enable_memory_snapshot) and "profiling.profile_freq" not in unusable \
             and p.profile_freq < 2:

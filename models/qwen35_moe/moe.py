@@ -152,6 +152,9 @@ class RoutedExperts(nn.Module):
     down_proj (E, D, I).
     Under expert parallelism both are sharded on the expert dimension (`sharding`, hooks.py): this rank computes
     with its own E / ep experts (the rows of `counts` are then its local experts).
+    `gemms` (None: torch._grouped_mm, and F.linear per expert on the loop path) is where FP8 training puts its
+    GEMMs (harness/float8.py): `aligned` lays the token groups out as its grouped GEMM needs them, `grouped` and
+    `linear` replace the two.
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int):
@@ -162,6 +165,7 @@ class RoutedExperts(nn.Module):
         self.sharding: ParamSharding = UNSHARDED  # hooks.py
         self.weight_reader: WeightReader | None = None  # hooks.py
         self.adapter: nn.Module | None = None  # lora.ExpertLowRank: per-expert updates beside the frozen weights
+        self.gemms = None  # FP8 training's GEMMs (harness/float8.py: Float8ExpertGemms)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, D) sorted by expert, counts (E,) tokens per expert -> (M, D). Rows past sum(counts) belong to no
@@ -187,6 +191,10 @@ class RoutedExperts(nn.Module):
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.
         gate_up_proj, down_proj = self._weights(x.dtype)
         offsets = counts.cumsum(0).to(torch.int32)
+        if self.gemms is not None:  # FP8: its GEMMs on token groups laid out as they need (never with adapters)
+            x, offsets, restore = self.gemms.aligned(x, offsets)
+            gate, up = self.gemms.grouped(x, gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
+            return restore(self.gemms.grouped(F.silu(gate) * up, down_proj.transpose(-2, -1), offsets))
         gate_up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets)
         if self.adapter is not None:
             gate_up = gate_up + self.adapter.grouped(x, "gate_up", offsets, self.sharding)
@@ -201,16 +209,17 @@ class RoutedExperts(nn.Module):
         # weight stay in the graph; under expert parallelism a rank may receive no tokens at all and must still
         # run the exchange's backward (a collective) with the others.
         gate_up_proj, down_proj = self._weights(x.dtype)
+        linear = F.linear if self.gemms is None else self.gemms.linear
         sizes = counts.tolist()
         routed_rows = sum(sizes)
         outputs = []
         for e, rows in enumerate(x[:routed_rows].split(sizes)):
-            gate_up = F.linear(rows, gate_up_proj[e])
+            gate_up = linear(rows, gate_up_proj[e])
             if self.adapter is not None:
                 gate_up = gate_up + self.adapter.one(rows, "gate_up", e, self.sharding)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
-            out = F.linear(hidden, down_proj[e])
+            out = linear(hidden, down_proj[e])
             outputs.append(out if self.adapter is None else out + self.adapter.one(hidden, "down", e, self.sharding))
         outputs.append(x.new_zeros(x.shape[0] - routed_rows, down_proj.shape[1]))  # rows past the last expert's
         return torch.cat(outputs)
