@@ -116,18 +116,20 @@ def aligned_groups(x: torch.Tensor, offsets: torch.Tensor, align: int = ALIGN
 class Float8ExpertGemms:
     """A RoutedExperts' `gemms` (models/qwen35_moe/moe.py) in FP8, torchao's rowwise recipe (module docstring)."""
 
-    def __init__(self, config):
+    def __init__(self, config, on_gpu: bool):
         self.config = config
         self._dense: dict[tuple[int, int], Float8Gemm] = {}
+        self._grouped = None
+        if on_gpu:  # its Triton kernels: imported here, not in a compiled block's trace (and never on a CPU)
+            from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+            self._grouped = _to_fp8_rowwise_then_scaled_grouped_mm
 
     def aligned(self, x: torch.Tensor, offsets: torch.Tensor):
         return aligned_groups(x, offsets)
 
     def grouped(self, x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
-
-        return _to_fp8_rowwise_then_scaled_grouped_mm(x, weight_t, offsets, out_dtype=x.dtype,
-                                                      pad_token_groups_for_grouped_mm=False)
+        return self._grouped(x, weight_t, offsets, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One expert's product on the loop path: the dense rowwise recipe (the grouped GEMM's, per expert)."""
@@ -170,7 +172,7 @@ def convert_to_float8(model: nn.Module, cfg, device: torch.device) -> list[str]:
         config = _recipe("rowwise", q.float8_emulate)
         for name, module in model.named_modules():
             if isinstance(module, RoutedExperts) and any(fqn in name for fqn in q.grouped_mm_float8_fqns):
-                module.gemms = Float8ExpertGemms(config)
+                module.gemms = Float8ExpertGemms(config, device.type == "cuda")
                 converted.append(name)
     logger.info("FP8 training (torchao %s%s): %d projections' GEMMs in float8 (recipe %s), %d routed experts' "
                 "(rowwise); the rest in %s", importlib.metadata.version("torchao"),

@@ -63,7 +63,7 @@ def test_the_experts_fp8_grouped_gemm_is_the_emulated_per_expert_loop():
         with torch.no_grad():
             experts.gate_up_proj.copy_(weights[0].to(dtype))
             experts.down_proj.copy_(weights[1].to(dtype))
-        experts.gemms = Float8ExpertGemms(_gemm(emulate).config)
+        experts.gemms = Float8ExpertGemms(_gemm(emulate).config, on_gpu=device == "cuda")
         xi = x.to(device, dtype).requires_grad_()
         out = experts(xi, counts.to(device))
         out.backward(dy.to(device, dtype))

@@ -76,7 +76,7 @@ def test_a_converted_expert_layer_is_the_recipes_float64_definition_per_expert()
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(3, 64, 64, generator=g) * 0.1)
         experts.down_proj.copy_(torch.randn(3, 64, 32, generator=g) * 0.1)
-    experts.gemms = Float8ExpertGemms(_gemm("rowwise").config)
+    experts.gemms = Float8ExpertGemms(_gemm("rowwise").config, on_gpu=False)
     counts = torch.tensor([20, 0, 12])
     x = torch.randn(32, 64, generator=g, requires_grad=True)
     out = experts(x, counts)
