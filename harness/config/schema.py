@@ -257,8 +257,8 @@ class Quantize:
     linear_float8_filter_fqns: list[str] = field(default_factory=lambda: [
         "lm_head", "shared_expert_gate", "in_proj_a", "in_proj_b", "mtp."])
     # The routed experts whose grouped GEMMs run in FP8 (torchao's rowwise recipe, each expert's token group padded
-    # to 16 rows): those whose module name contains one of these, e.g. ["experts"] (every MoE layer's, the MTP's too)
-    # or ["layers."] (the main layers'); [] = none
+    # to 16 rows): those whose module name (layers.N.mlp.experts, mtp.layers.N.mlp.experts) contains one of these,
+    # e.g. ["experts"]: every MoE layer's, the MTP layer's too; [] = none
     grouped_mm_float8_fqns: list[str] = field(default_factory=list)
     float8_emulate: bool = False  # the FP8 casts with the GEMMs emulated in high precision: CPU tests only
 
