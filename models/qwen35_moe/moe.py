@@ -145,6 +145,10 @@ def load_balancing_loss(stats: RouterStats, pooled_counts: torch.Tensor | None =
     return per_layer.mean()
 
 
+def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, weight_t, offs=offsets)
+
+
 class RoutedExperts(nn.Module):
     """All routed experts' SwiGLU weights, fused as in the HF checkpoint layout.
 
@@ -191,17 +195,18 @@ class RoutedExperts(nn.Module):
         # One grouped GEMM per projection, no host sync: offsets are the end row of each expert.
         gate_up_proj, down_proj = self._weights(x.dtype)
         offsets = counts.cumsum(0).to(torch.int32)
-        if self.gemms is not None:  # FP8: its GEMMs on token groups laid out as they need (never with adapters)
-            x, offsets, restore = self.gemms.aligned(x, offsets)
-            gate, up = self.gemms.grouped(x, gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
-            return restore(self.gemms.grouped(F.silu(gate) * up, down_proj.transpose(-2, -1), offsets))
-        gate_up = torch._grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets)
+        grouped, restore = _grouped_mm, None
+        if self.gemms is not None:  # FP8: its GEMMs, on token groups laid out as they need them (never with adapters)
+            (x, offsets, restore), grouped = self.gemms.aligned(x, offsets), self.gemms.grouped
+        gate_up = grouped(x, gate_up_proj.transpose(-2, -1), offsets)
         if self.adapter is not None:
             gate_up = gate_up + self.adapter.grouped(x, "gate_up", offsets, self.sharding)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = F.silu(gate) * up
-        out = torch._grouped_mm(hidden, down_proj.transpose(-2, -1), offs=offsets)
-        return out if self.adapter is None else out + self.adapter.grouped(hidden, "down", offsets, self.sharding)
+        out = grouped(hidden, down_proj.transpose(-2, -1), offsets)
+        if self.adapter is not None:
+            out = out + self.adapter.grouped(hidden, "down", offsets, self.sharding)
+        return out if restore is None else restore(out)
 
     @torch.compiler.disable  # eager under compile: split sizes read on the host would recompile at every routing
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
