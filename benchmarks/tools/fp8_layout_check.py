@@ -11,13 +11,13 @@ Prints the counts and exits 1 naming the first differences, if any.
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from models.qwen35_moe.hf_checkpoint import read_safetensors_header  # noqa: E402
 from scripts.make_release_checkpoint import (  # noqa: E402
     RELEASE_TEXT_CONFIG,
     fp8_tensor_specs,
@@ -30,12 +30,9 @@ NAMES = {"torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float8_e4m3fn"
 
 
 def headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        out |= {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
-    return out
+    """{key: (dtype, shape)} of every safetensors file of `folder`, from their headers alone."""
+    return {key: (entry["dtype"], tuple(entry["shape"])) for path in sorted(folder.glob("*.safetensors"))
+            for key, entry in read_safetensors_header(path).items()}
 
 
 def main(folder: Path) -> int:
