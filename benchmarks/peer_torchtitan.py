@@ -4,6 +4,7 @@ initial weights, each contender in a fresh process of its own (its own compile, 
 
     python benchmarks/peer_torchtitan.py --layers 8 --experts 32 --batch 2 --ac none
     python benchmarks/peer_torchtitan.py --layers 4 --experts 256 --batch 8 --ac full --only ours,torchtitan
+    python benchmarks/peer_torchtitan.py --layers 4 --experts 256 --batch 8 --ac none --float8
     python benchmarks/peer_torchtitan.py --layers 8 --experts 32 --batch 2 --ac none --lora 16 --only ours,peft \
         --steps 20 --warmup 5
     python benchmarks/peer_torchtitan.py --layers 4 --experts 256 --batch 4 --ac full --lora 16 --only ours,peft \
@@ -57,6 +58,18 @@ All three start from one HF folder of our model's initial weights, train on the 
 and our optimizer settings: AdamW lr, betas, eps, weight decay on matrices only, our warm-up and decay schedule,
 gradient clipping at training.max_norm. torchtitan and transformers are timed per step around the whole step.
 
+FP8 mode (`--float8`; the contenders are ours and torchtitan, the transformers loop has no FP8 training): float8
+training with dynamic rowwise scales in both, torchao's recipe in both, on the same modules:
+- ours: `--quantize.linear_float8_recipe rowwise --quantize.grouped_mm_float8_fqns experts` (harness/float8.py): the
+  blocks' projections but lm_head, shared_expert_gate and the Gated DeltaNet's in_proj_a / in_proj_b (our default
+  filter; the router is no Linear), and the routed experts' grouped GEMMs, their token groups laid out at 16-row
+  starts in the layer. On CPU with `--quantize.float8_emulate true` (a check of the script).
+- torchtitan: its own converters as its float8 model configs apply them, before the model is built:
+  Float8LinearConverter (recipe rowwise, `filter_fqns` naming the same modules by its names: lm_head, router.gate,
+  shared_experts.gate, in_proj_a, in_proj_b) and Float8GroupedExpertsConverter (torchao's Float8TrainingOpConfig on
+  the grouped experts; its token dispatcher pads each expert's group to 16 rows). Both need an SM89+ GPU: on CPU it
+  fails at the converter, and the report shows that.
+
 LoRA mode (`--lora RANK`, `--lora-expert-rank` our lora.expert_rank, `--lora-alpha`, default twice the rank; the
 contenders are ours and peft):
 - ours: as above with `--lora.enable true --lora.rank --lora.expert_rank --lora.alpha` (our default targets: the
@@ -108,6 +121,10 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 FULL = ("ours", "torchtitan", "transformers")  # full fine-tuning, the default
 LORA = ("ours", "peft")  # with --lora RANK
+FLOAT8 = ("ours", "torchtitan")  # with --float8
+OUR_FLOAT8 = ["--quantize.linear_float8_recipe", "rowwise", "--quantize.grouped_mm_float8_fqns", "experts"]
+# torchtitan's names of the modules our default quantize.linear_float8_filter_fqns keeps in bf16, and its router
+TORCHTITAN_FLOAT8_FILTER = ["lm_head", "router.gate", "shared_experts.gate", "in_proj_a", "in_proj_b"]
 CONTENDERS = (*FULL, "peft")
 LABELS = {"ours": "ours", "torchtitan": "torchtitan 0.3.0", "transformers": "transformers loop",
           "peft": "transformers+PEFT"}
@@ -138,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-expert-rank", type=int, default=0, metavar="RANK",
                         help="the routed experts' own rank (lora.expert_rank; 0: --lora's)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="lora.alpha (default: twice --lora)")
+    parser.add_argument("--float8", action="store_true",
+                        help="FP8 training (rowwise) in ours and torchtitan; the transformers loop has none")
     parser.add_argument("--torchtitan-site", default="/tmp/site_tt", help="folder holding torchtitan's packages")
     parser.add_argument("--torchtitan-compile", choices=("graph-breaks", "as-is"), default="graph-breaks",
                         help="as-is: parallelize_qwen3_5 as it is (blocks checkpointed, then compiled with "
@@ -153,27 +172,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ns = parser.parse_args(argv)
     if ns.lora < 0 or ns.lora_expert_rank < 0:
         parser.error(f"--lora ({ns.lora}) and --lora-expert-rank ({ns.lora_expert_rank}) take a rank, or 0")
+    if ns.lora and ns.float8:
+        parser.error("--lora and --float8 together: FP8 training is for full training (ours refuses LoRA with it)")
     if ns.lora_alpha is None:
         ns.lora_alpha = 2.0 * ns.lora
-    mode = LORA if ns.lora else FULL
+    mode, named = (LORA, "--lora") if ns.lora else (FLOAT8, "--float8") if ns.float8 else (FULL, "neither --lora nor "
+                                                                                              "--float8")
     ns.only = [name.strip() for name in (ns.only or ",".join(mode)).split(",") if name.strip()]
     if not ns.only or set(ns.only) - set(mode):
-        parser.error(f"--only takes some of {', '.join(mode)} {'with' if ns.lora else 'without'} --lora; got "
-                     f"{ns.only}")
+        parser.error(f"--only takes some of {', '.join(mode)} with {named}; got {ns.only}")
     if ns.steps <= ns.warmup:
         parser.error(f"--steps ({ns.steps}) must exceed --warmup ({ns.warmup}): no step would be timed")
     return ns
 
 
-def our_argv(ns: argparse.Namespace, work: Path, compile_: bool) -> list[str]:
-    """Our trainer's flags: the benchmark model from the shared HF folder, the run's shapes, AC and compile."""
+def our_argv(ns: argparse.Namespace, work: Path, compile_: bool, device: str) -> list[str]:
+    """Our trainer's flags: the benchmark model from the shared HF folder, the run's shapes, AC, compile and FP8."""
     from bench_model import trainer_argv
 
     return [*trainer_argv(work / "config.json", work / "out", ns.steps), "--checkpoint.enable", "false",
             "--checkpoint.export_hf_at_end", "false", "--training.dataset_cache_dir", str(work / "cache"),
             "--checkpoint.initial_load_hf", str(work / "hf"), "--training.local_batch_size", str(ns.batch),
             *(["--training.seq_len", str(ns.seq)] if ns.seq else []), "--activation_checkpoint.mode", ns.ac,
-            "--compile.enable", str(compile_).lower(), *lora_flags(ns), *ns.overrides]
+            "--compile.enable", str(compile_).lower(), *lora_flags(ns), *float8_flags(ns, device), *ns.overrides]
 
 
 def lora_flags(ns: argparse.Namespace) -> list[str]:
@@ -182,6 +203,13 @@ def lora_flags(ns: argparse.Namespace) -> list[str]:
         return []
     return ["--lora.enable", "true", "--lora.rank", str(ns.lora), "--lora.expert_rank", str(ns.lora_expert_rank),
             "--lora.alpha", f"{ns.lora_alpha:g}"]
+
+
+def float8_flags(ns: argparse.Namespace, device: str) -> list[str]:
+    """Our trainer's FP8 flags for --float8 (none without it), emulated on a CPU."""
+    if not ns.float8:
+        return []
+    return [*OUR_FLOAT8, *(["--quantize.float8_emulate", "true"] if device == "cpu" else [])]
 
 
 def the_rows(cfg, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -312,6 +340,10 @@ def report(ns, spec: dict, results: dict[str, dict], flops: float, device: str) 
                      "only) replaced by plain PyTorch references (token-by-token gated delta rule, causal conv, SDPA)")
     lines.append(f"same initial weights ({spec['folder']}), same rows ({spec['steps']} batches of our pipeline, mean "
                  f"attended keys per token {spec['attended']:.0f})")
+    if spec.get("float8"):
+        lines.append("FP8 training, rowwise dynamic scales (torchao's recipe): the blocks' large projections and the "
+                     "routed experts' grouped GEMMs; lm_head, router, shared-expert gate, in_proj_a/b in bf16; MFU "
+                     "counts the same FLOPs as bf16 (against the bf16 peak)")
     lora = spec.get("lora")
     if lora:
         lines.append(f"LoRA rank {lora['rank']} (routed experts {lora['expert_rank'] or lora['rank']}), alpha "
@@ -383,7 +415,7 @@ def main_parent(ns: argparse.Namespace) -> int:
     work = Path(ns.work or tempfile.mkdtemp(prefix="qwen35_peer_"))
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(args.to_hf_config()))
-    argv = our_argv(ns, work, ns.compile if ns.compile is not None else device == "cuda")
+    argv = our_argv(ns, work, ns.compile if ns.compile is not None else device == "cuda", device)
     cfg = load_config(argv)  # the run's settings, overrides after -- included, for all three
     batches = shared_inputs(args, cfg, ns.steps, work)
     t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
@@ -400,10 +432,10 @@ def main_parent(ns: argparse.Namespace) -> int:
             "schedule": {"warmup_steps": s.warmup_steps, "decay_ratio": s.decay_ratio, "decay_type": s.decay_type,
                          "min_lr_factor": s.min_lr_factor},
             "torchtitan_compile": ns.torchtitan_compile, "torchtitan_recompile_limit": ns.torchtitan_recompile_limit,
-            "seed": t.seed, "lora": None if lora is None else dataclasses.asdict(lora), "adapter_flops_params": adapters}
+            "seed": t.seed, "float8": ns.float8, "lora": None if lora is None else dataclasses.asdict(lora), "adapter_flops_params": adapters}
     (work / "spec.json").write_text(json.dumps(spec, indent=1))
     results = {}
-    for name in LORA if lora is not None else FULL:
+    for name in LORA if lora is not None else FLOAT8 if ns.float8 else FULL:
         result = launch(name, work, ns.torchtitan_site) if name in ns.only else earlier_result(work, name, spec)
         if result is not None:
             results[name] = result
@@ -480,6 +512,9 @@ def run_ours(spec: dict, work: Path) -> dict:
         balance = Qwen35MoeArgs.from_hf_config(spec["folder"]).router_aux_loss_coef
     notes = [f"read the corpus itself; its {loaders[0].checked} batches equal the saved rows",
              f"trains with the MoE balance loss (weight {balance:g}) too; its losses above are the cross entropy"]
+    if spec.get("float8"):
+        notes.append(f"FP8: {' '.join(OUR_FLOAT8)}" + (" --quantize.float8_emulate true (GEMMs emulated in high "
+                                                         "precision)" if the_device().type == "cpu" else ""))
     if spec.get("lora"):
         cuda = the_device().type == "cuda"
         notes.append(f"lora.enable: {cfg.training.mixed_precision_param if cuda else 'fp32'} frozen base (no gradient "
@@ -809,6 +844,18 @@ def torchtitan_config(args, seq_len: int):
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt._output_linear_init(dim)))
 
 
+def torchtitan_float8(model_config, compile_: bool):
+    """torchtitan's float8 converters applied to its model config, in the order and the way its float8 model configs
+    apply them (deepseek_v3's: dense linears, then the grouped experts), on the modules ours converts."""
+    from torchtitan.components.quantization import Float8GroupedExpertsConverter, Float8LinearConverter
+
+    for converter in (Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=TORCHTITAN_FLOAT8_FILTER,
+                                                   model_compile_enabled=compile_),
+                      Float8GroupedExpertsConverter.Config(model_compile_enabled=compile_)):
+        model_config = converter.build().convert(model_config)
+    return model_config
+
+
 def torchtitan_input(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The folder's tensors as torchtitan 0.3.0's `from_hf` reads them. It reads the release's multimodal names
     (model.language_model.*; given transformers' text-only model.* it maps lm_head alone), and takes the experts
@@ -973,8 +1020,11 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
                               mixed_precision_param="bfloat16" if cuda else "float32",
                               disable_cuda_graphs=True)  # as its MoE recipes
     compile_config = CompileConfig(enable=spec["compile"])
+    model_config = torchtitan_config(args, spec["seq"])
+    if spec.get("float8"):
+        model_config = torchtitan_float8(model_config, spec["compile"])
     with torch.device("meta"):
-        model = torchtitan_config(args, spec["seq"]).build()
+        model = model_config.build()
     model.vision_encoder = None  # text only: no vision tower in memory or in the optimizer
     ac_config = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[spec["ac"]]
     if spec["torchtitan_compile"] == "as-is":
@@ -1057,6 +1107,11 @@ def run_torchtitan(spec: dict, work: Path) -> dict:
              f"{setup_s:.0f} s from its start to its first step, which took {first_step_s:.0f} s" + (
                  " (its compile, FlexAttention with max_autotune and coordinate descent tuning as torchtitan ships "
                  "it, FLA 0.5.2's autotuning)" if cuda else ""), timed_steps_note(rates, graphs, spec["warmup"])]
+    if spec.get("float8"):
+        kinds = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Float8")]
+        notes.append(f"FP8: its Float8LinearConverter (rowwise, filter_fqns {TORCHTITAN_FLOAT8_FILTER}) and "
+                     f"Float8GroupedExpertsConverter; modules converted: "
+                     + ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds))))
     if not cuda:  # why its losses differ from ours on CPU, in the fourth or fifth digit
         notes.append("its grouped GEMMs run the routed experts in bf16 on any device")
     return {"tokens_per_sec": statistics.median(rates), "max_memory_gib": max_memory_gib(device), "losses": losses,

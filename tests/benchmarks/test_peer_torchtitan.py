@@ -77,10 +77,30 @@ def test_only_names_contenders_of_the_mode():
     assert peer.lora_flags(lora) == ["--lora.enable", "true", "--lora.rank", "16", "--lora.expert_rank", "8",
                                      "--lora.alpha", "32"]
     assert peer.lora_flags(peer.parse_args([])) == []
+    fp8 = peer.parse_args(["--float8"])
+    assert fp8.only == ["ours", "torchtitan"]
+    assert peer.float8_flags(fp8, "cuda") == ["--quantize.linear_float8_recipe", "rowwise",
+                                              "--quantize.grouped_mm_float8_fqns", "experts"]
+    assert peer.float8_flags(fp8, "cpu")[-2:] == ["--quantize.float8_emulate", "true"]
+    assert peer.float8_flags(peer.parse_args([]), "cuda") == []
     for wrong in (["--only", "ours,megatron"], ["--steps", "5", "--warmup", "5"], ["--only", "peft"],
-                  ["--lora", "8", "--only", "ours,torchtitan"], ["--lora", "8", "--only", "transformers"]):
+                  ["--lora", "8", "--only", "ours,torchtitan"], ["--lora", "8", "--only", "transformers"],
+                  ["--float8", "--only", "transformers"], ["--float8", "--lora", "8"]):
         with pytest.raises(SystemExit):
             peer.parse_args(wrong)
+
+
+def test_torchtitans_float8_filter_keeps_in_bf16_what_ours_keeps():
+    """--float8 gives torchtitan's Float8LinearConverter the modules our default filter keeps in bf16, by its names:
+    ours' default changing without the script following would compare different conversions."""
+    from harness.config.schema import Quantize
+
+    peer = loaded("peer_torchtitan.py")
+    ours_to_torchtitans = {"lm_head": "lm_head", "shared_expert_gate": "shared_experts.gate",
+                           "in_proj_a": "in_proj_a", "in_proj_b": "in_proj_b", "mtp.": None}  # its model: no MTP
+    assert Quantize().linear_float8_filter_fqns == list(ours_to_torchtitans)
+    # its router is a Linear (ours is not one, so never converted): filtered by name
+    assert sorted(peer.TORCHTITAN_FLOAT8_FILTER) == sorted([*filter(None, ours_to_torchtitans.values()), "router.gate"])
 
 
 def test_our_trainers_batches_are_checked_against_the_saved_rows():
