@@ -12,7 +12,16 @@ and OVERRIDES are trainer flags added after the shared ones given after `--`. Co
 
     python benchmarks/alternate.py --variant main= --variant old:/tmp/old= -- --compile.enable true
 
-The report gives each variant's figures, peak memory and ratio to the first variant, paired round by round. Why
+The report gives each variant's figures, peak memory and ratio to the first variant, paired round by round, and
+how far each variant's losses and gradient norms are from the first variant's run of the same round (all runs start
+from the same weights and read the same rows): the largest relative gap of a step's loss from step `--parity-from` on,
+the last step's, the last 10 steps' means', and the grad norm's largest and median relative gap. A numerics change
+(FP8 against bf16) is read there:
+
+    python benchmarks/alternate.py --rounds 1 --layers 8 --experts 32 --steps 200 --parity-from 50 \
+        --variant bf16= --variant "fp8=--quantize.linear_float8_recipe rowwise --quantize.grouped_mm_float8_fqns experts" \
+        -- --training.local_batch_size 2 --compile.enable true
+ Why
 alternate: the same code runs a few percent apart on two hosts of one kind, and FSDP's ratio to one GPU more
 (docs/performance.md, "How to read them" and "FSDP over 2 GPUs against one GPU"), as much as a change worth keeping
 gains; pairs run back to back on one host resolve them. Exits non-zero if any run failed.
@@ -21,6 +30,7 @@ gains; pairs run back to back on one host resolve them. Exits non-zero if any ru
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import statistics
@@ -93,6 +103,42 @@ def report(variants: list[Variant], results: dict[str, list]) -> list[str]:
     return lines
 
 
+def relative_gaps(base: dict[int, float], other: dict[int, float], from_step: int) -> list[float]:
+    """|other - base| / |base| at each step both have from `from_step` on, in step order."""
+    return [abs(other[step] - base[step]) / abs(base[step]) for step in sorted(base)
+            if step >= from_step and step in other and base[step] != 0]
+
+
+def parity(variants: list[Variant], results: dict[str, list], from_step: int) -> list[str]:
+    """Per variant and round after the first variant: its losses and grad norms against the first variant's run of
+    the same round (the module docstring)."""
+    lines = []
+    for variant in variants[1:]:
+        for index, (run, base) in enumerate(zip(results[variant.name], results[variants[0].name])):
+            if not run or not base:
+                continue
+            loss = relative_gaps(base["losses"], run["losses"], from_step)
+            norm = relative_gaps(base["grad_norms"], run["grad_norms"], from_step)
+            if not loss or not norm:
+                continue
+            last = max(base["losses"].keys() & run["losses"].keys())
+            tail = [step for step in base["losses"].keys() & run["losses"].keys() if step > last - 10 and
+                    step >= from_step]
+            base_tail = statistics.mean(base["losses"][step] for step in tail)
+            run_tail = statistics.mean(run["losses"][step] for step in tail)
+            lines.append(f"{variant.name:>12s} vs {variants[0].name} (round {index + 1}), steps {from_step}-{last}: "
+                         f"loss gap max {max(loss):.2%}, at step {last} {loss[-1]:.2%}, last {len(tail)} steps' "
+                         f"means {abs(run_tail - base_tail) / abs(base_tail):.2%} ({base_tail:.4f} -> {run_tail:.4f}); "
+                         f"grad norm gap max {max(norm):.2%}, median {statistics.median(norm):.2%}")
+    return lines
+
+
+def run_curves(metrics: Path) -> dict[str, dict[int, float]]:
+    """{losses: {step: loss}, grad_norms: {step: grad norm}} of a run's metrics.jsonl."""
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    return {"losses": {r["step"]: r["loss"] for r in rows}, "grad_norms": {r["step"]: r["grad_norm"] for r in rows}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", action="append", required=True, help="NAME[@GPUS]=OVERRIDES (repeat; the first "
@@ -104,6 +150,7 @@ def main() -> int:
     parser.add_argument("--mtp-layers", type=int, default=0, help="MTP layers of every variant's model")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--parity-from", type=int, default=1, help="first step of the loss and grad-norm comparison")
     parser.add_argument("--work", default=None, help="folder for the runs' output (default: a new temp dir)")
     parser.add_argument("shared", nargs="*", help="trainer overrides for every variant, after --")
     args = parser.parse_args()
@@ -125,6 +172,8 @@ def main() -> int:
                               cwd=variant.tree)
         metrics = work / "out" / "metrics.jsonl"
         figures = run_figures(metrics, args.warmup) if done.returncode == 0 and metrics.exists() else None
+        if figures is not None:
+            figures.update(run_curves(metrics))
         if figures is None:
             print(f"  failed (exit {done.returncode}); its output ended:\n{done.stdout[-2000:]}", flush=True)
         else:
@@ -134,7 +183,7 @@ def main() -> int:
         return figures
 
     results = alternate(variants, args.rounds, run)
-    print("\n".join(report(variants, results)))
+    print("\n".join(report(variants, results) + parity(variants, results, args.parity_from)))
     return 1 if any(r is None for runs in results.values() for r in runs) else 0
 
 

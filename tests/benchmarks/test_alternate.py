@@ -46,3 +46,20 @@ def test_variants_alternate_and_ratios_pair_runs_of_the_same_round():
     assert lines[0].strip() == "base (1 rank): 100 90; mean 95, peak 2.5 GiB"
     assert lines[1].strip() == "fast (1 rank): 110 99; mean 104, peak 2.5 GiB; vs base: 1.100 1.100 (mean 1.100)"
     assert lines[2].strip() == "broken (1 rank): 50 failed; mean 50, peak 1.5 GiB; vs base: 0.500 (mean 0.500)"
+
+
+def test_parity_compares_each_variants_curves_with_the_first_variants_run_of_the_same_round(tmp_path):
+    """The gaps by hand: from step 2 on, fp8's loss is 1% above base's at step 2 and 2% below at step 3 (the largest),
+    its grad norm 10% and 30% above; the last two steps' means are 2.5 -> 2.495 (0.2%)."""
+    alternate = loaded("alternate.py")
+    variants = [alternate.parse_variant(s) for s in ("base=", "fp8=--x 1")]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 4.0, "grad_norm": 1.0}\n{"step": 2, "val_loss": 9.0}\n'
+                       '{"step": 2, "loss": 3.0, "grad_norm": 2.0}\n{"step": 3, "loss": 2.0, "grad_norm": 1.0}\n')
+    base = alternate.run_curves(metrics)
+    assert base == {"losses": {1: 4.0, 2: 3.0, 3: 2.0}, "grad_norms": {1: 1.0, 2: 2.0, 3: 1.0}}
+    fp8 = {"losses": {1: 9.0, 2: 3.03, 3: 1.96}, "grad_norms": {1: 9.0, 2: 2.2, 3: 1.3}}
+    (line,) = alternate.parity(variants, {"base": [base], "fp8": [fp8]}, from_step=2)
+    assert line.strip() == ("fp8 vs base (round 1), steps 2-3: loss gap max 2.00%, at step 3 2.00%, last 2 steps' "
+                            "means 0.20% (2.5000 -> 2.4950); grad norm gap max 30.00%, median 20.00%")
+    assert alternate.parity(variants, {"base": [None], "fp8": [fp8]}, from_step=2) == []  # its baseline failed
