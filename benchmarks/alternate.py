@@ -21,8 +21,8 @@ the last step's, the last 10 steps' means', and the grad norm's largest and medi
     python benchmarks/alternate.py --rounds 1 --layers 8 --experts 32 --steps 200 --parity-from 50 \
         --variant bf16= --variant "fp8=--quantize.linear_float8_recipe rowwise --quantize.grouped_mm_float8_fqns experts" \
         -- --training.local_batch_size 2 --compile.enable true
- Why
-alternate: the same code runs a few percent apart on two hosts of one kind, and FSDP's ratio to one GPU more
+
+Why alternate: the same code runs a few percent apart on two hosts of one kind, and FSDP's ratio to one GPU more
 (docs/performance.md, "How to read them" and "FSDP over 2 GPUs against one GPU"), as much as a change worth keeping
 gains; pairs run back to back on one host resolve them. Exits non-zero if any run failed.
 """
@@ -172,11 +172,10 @@ def main() -> int:
                               cwd=variant.tree)
         metrics = work / "out" / "metrics.jsonl"
         figures = run_figures(metrics, args.warmup) if done.returncode == 0 and metrics.exists() else None
-        if figures is not None:
-            figures.update(run_curves(metrics))
         if figures is None:
             print(f"  failed (exit {done.returncode}); its output ended:\n{done.stdout[-2000:]}", flush=True)
         else:
+            figures.update(run_curves(metrics))
             mfu = "" if figures["mfu"] is None else f", MFU {figures['mfu']:.1%}"
             print(f"  {figures['tokens_per_sec']:,.0f} tokens/s per device{mfu}, {figures['max_memory_gib']:.1f} GiB",
                   flush=True)

@@ -176,8 +176,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--lora and --float8 together: FP8 training is for full training (ours refuses LoRA with it)")
     if ns.lora_alpha is None:
         ns.lora_alpha = 2.0 * ns.lora
-    mode, named = (LORA, "--lora") if ns.lora else (FLOAT8, "--float8") if ns.float8 else (FULL, "neither --lora nor "
-                                                                                              "--float8")
+    if ns.lora:
+        mode, named = LORA, "--lora"
+    elif ns.float8:
+        mode, named = FLOAT8, "--float8"
+    else:
+        mode, named = FULL, "neither --lora nor --float8"
     ns.only = [name.strip() for name in (ns.only or ",".join(mode)).split(",") if name.strip()]
     if not ns.only or set(ns.only) - set(mode):
         parser.error(f"--only takes some of {', '.join(mode)} with {named}; got {ns.only}")
@@ -432,7 +436,8 @@ def main_parent(ns: argparse.Namespace) -> int:
             "schedule": {"warmup_steps": s.warmup_steps, "decay_ratio": s.decay_ratio, "decay_type": s.decay_type,
                          "min_lr_factor": s.min_lr_factor},
             "torchtitan_compile": ns.torchtitan_compile, "torchtitan_recompile_limit": ns.torchtitan_recompile_limit,
-            "seed": t.seed, "float8": ns.float8, "lora": None if lora is None else dataclasses.asdict(lora), "adapter_flops_params": adapters}
+            "seed": t.seed, "float8": ns.float8, "lora": None if lora is None else dataclasses.asdict(lora),
+            "adapter_flops_params": adapters}
     (work / "spec.json").write_text(json.dumps(spec, indent=1))
     results = {}
     for name in LORA if lora is not None else FLOAT8 if ns.float8 else FULL:
