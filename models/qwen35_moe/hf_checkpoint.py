@@ -87,6 +87,19 @@ MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on a header
 _MAX_JSON_DEPTH = 8  # a header is an object of objects holding lists of numbers: depth 4 at most
 
 
+def _bracket_depth(text: bytes, chunk: int = 1 << 24) -> int:
+    """The deepest nesting of [ and { in `text`, brackets inside strings too (a bound, not a parse). Vectorised, a
+    chunk at a time: a Python loop over the bytes takes seconds on an FP8 release's 10 MB headers."""
+    data, depth, deepest = bytearray(text), 0, 0
+    for start in range(0, len(data), chunk):
+        codes = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=min(chunk, len(data) - start))
+        steps = (codes == ord("[")).int() + (codes == ord("{")).int() - (codes == ord("]")).int() - \
+            (codes == ord("}")).int()
+        running = steps.cumsum(0, dtype=torch.int32) + depth
+        deepest, depth = max(deepest, int(running.max())), int(running[-1])
+    return deepest
+
+
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
     """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file, read from its header alone and
     checked (ValueError naming the file otherwise): the length within the format's bound and the file, JSON no
@@ -108,10 +121,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, dict]:
             raise refused(f"its header says {length:,} bytes, more than "
                           f"{'the file holds' if length > size - 8 else 'the format allows'}")
         text = f.read(length)
-    depth, deepest = 0, 0
-    for byte in text:  # brackets inside strings count too: a bound, not a parse
-        depth += (byte in b"[{") - (byte in b"]}")
-        deepest = max(deepest, depth)
+    deepest = _bracket_depth(text)
     if deepest > _MAX_JSON_DEPTH:
         raise refused(f"its header nests {deepest} levels deep")
     try:

@@ -279,6 +279,37 @@ def test_a_hostile_safetensors_header_is_one_error_line_for_the_converter_and_th
     assert len(error) == 1 and "it is not a safetensors file" in error[0], error
 
 
+def test_a_headers_nesting_is_bounded_at_8_levels_counted_across_the_chunks_it_is_read_in(tmp_path):
+    """The depth bound of read_safetensors_header, counted a chunk at a time, against the plain byte loop on random
+    bracket strings cut at every chunk size up to 7; then a header of a valid tensor with an extra entry nested to
+    depth 8 (read) and to 9 (refused, naming the depth)."""
+    import random
+
+    from models.qwen35_moe.hf_checkpoint import _bracket_depth, read_safetensors_header
+
+    def loop(text: bytes) -> int:
+        depth = deepest = 0
+        for byte in text:
+            depth += (byte in b"[{") - (byte in b"]}")
+            deepest = max(deepest, depth)
+        return deepest
+
+    rng = random.Random(0)
+    for _ in range(200):
+        text = bytes(rng.choice(b'[]{}a"') for _ in range(rng.randrange(60)))
+        assert all(_bracket_depth(text, chunk) == loop(text) for chunk in range(1, 8)), text
+    for extra, deepest in ((6, 8), (7, 9)):
+        header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16],
+                                   "x": json.loads("[" * extra + "]" * extra)}}).encode()
+        path = tmp_path / f"depth{deepest}.safetensors"
+        path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+        if deepest <= 8:
+            assert list(read_safetensors_header(path)) == ["w"]
+        else:
+            with pytest.raises(ValueError, match=f"its header nests {deepest} levels deep"):
+                read_safetensors_header(path)
+
+
 def test_a_separate_expert_rank_is_peft_rank_pattern_and_both_exports_are_the_same_model(tmp_path, monkeypatch):
     """lora.expert_rank: the routed experts' adapters at rank 8 beside the dense ones' 4, each scaled by alpha over
     its own rank. The PEFT folder states it as rank_pattern for the two expert parameters, and PEFT's model of the
