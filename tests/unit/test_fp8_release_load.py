@@ -168,3 +168,25 @@ def test_the_reader_opens_each_file_once_however_many_tensors_it_reads(folders, 
     for key in shapes:
         read(key)
     assert opened == [str(folders["fp8"] / "model.safetensors")]
+
+
+def test_modules_kept_unquantized_are_fnmatchs_module_patterns():
+    """kept_unquantized looks plain module names up among the key's dot prefixes; its answer must stay the fnmatch
+    definition (the key matches m or m.*) for names and wildcard patterns alike, on keys and lists drawn at random
+    from parts that make prefixes, empty parts and wildcards meet."""
+    import random
+    from fnmatch import fnmatchcase
+
+    from models.qwen35_moe.fp8_config import kept_unquantized
+
+    rng = random.Random(0)
+    parts, pattern_parts = ["a", "b", "ab", "", "mlp", "0"], ["a", "b", "ab", "", "mlp", "0", "*", "?", "[ab]"]
+    for _ in range(5000):
+        key = ".".join(rng.choice(parts) for _ in range(rng.randrange(1, 5)))
+        modules = [".".join(rng.choice(pattern_parts) for _ in range(rng.randrange(1, 4)))
+                   for _ in range(rng.randrange(4))]
+        expected = any(fnmatchcase(key, m) or fnmatchcase(key, m + ".*") for m in modules)
+        assert kept_unquantized(key, modules) == expected, (key, modules)
+    assert kept_unquantized("model.layers.0.mlp.gate.weight", ["model.layers.0.mlp.gate"])
+    assert not kept_unquantized("model.layers.0.mlp.gate_proj.weight", ["model.layers.0.mlp.gate"])
+    assert not kept_unquantized("x.weight", None)
