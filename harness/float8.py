@@ -27,6 +27,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
+import re
 from collections.abc import Callable
 
 import torch
@@ -45,10 +46,10 @@ ALIGN = 16  # rows: where torchao's FP8 grouped GEMM needs each token group to s
 
 
 def _asked(q) -> str:
-    """The settings that ask for FP8, as the error lines name them."""
-    return " and ".join(name for name, on in (("quantize.linear_float8_recipe", q.linear_float8_recipe != "none"),
-                                              ("quantize.grouped_mm_float8_fqns", bool(q.grouped_mm_float8_fqns)))
-                        if on)
+    """The settings that ask for FP8, as the error lines name them, with their verb: '... need' or '... needs'."""
+    names = [name for name, on in (("quantize.linear_float8_recipe", q.linear_float8_recipe != "none"),
+                                   ("quantize.grouped_mm_float8_fqns", bool(q.grouped_mm_float8_fqns))) if on]
+    return "" if not names else " and ".join(names) + (" need" if len(names) > 1 else " needs")
 
 
 def float8_problems(cfg, device: torch.device) -> list[str]:
@@ -59,13 +60,13 @@ def float8_problems(cfg, device: torch.device) -> list[str]:
         return []
     problems = []
     if importlib.util.find_spec("torchao") is None:
-        problems.append(f"{asked} need torchao, which is not installed: {INSTALL}")
+        problems.append(f"{asked} torchao, which is not installed: {INSTALL}")
     if device.type != "cuda" and not q.float8_emulate:
-        problems.append(f"{asked} need a GPU with FP8 tensor cores (compute capability 8.9 or newer); this run is on "
+        problems.append(f"{asked} a GPU with FP8 tensor cores (compute capability 8.9 or newer); this run is on "
                         "the CPU (quantize.float8_emulate true emulates the GEMMs, for tests)")
     elif device.type == "cuda" and not q.float8_emulate and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
-        problems.append(f"{asked} need FP8 tensor cores (compute capability 8.9 or newer); "
+        problems.append(f"{asked} FP8 tensor cores (compute capability 8.9 or newer); "
                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
     return problems
 
@@ -156,26 +157,32 @@ def convert_to_float8(model: nn.Module, cfg, device: torch.device) -> list[str]:
     q = cfg.quantize
     if not _asked(q):
         return []
+    modules = list(model.named_modules())
+    linears = [(name, module) for name, module in modules if q.linear_float8_recipe != "none"
+               and isinstance(module, Linear) and not any(skip in name for skip in q.linear_float8_filter_fqns)
+               and module.in_features % 16 == 0 and module.out_features % 16 == 0]
+    experts = [(name, module) for name, module in modules if isinstance(module, RoutedExperts)
+               and any(fqn in name for fqn in q.grouped_mm_float8_fqns)]
     problems = float8_problems(cfg, device)
+    if q.linear_float8_recipe != "none" and not linears:  # a filter that takes every projection: a slip, not a plan
+        problems.append(f"quantize.linear_float8_recipe {q.linear_float8_recipe!r} converts no projection: "
+                        f"quantize.linear_float8_filter_fqns {q.linear_float8_filter_fqns} keeps every one in bf16")
+    if q.grouped_mm_float8_fqns and not experts:
+        names = sorted({re.sub(r"\.\d+\.", ".N.", name) for name, module in modules if isinstance(module, RoutedExperts)})
+        problems.append(f"quantize.grouped_mm_float8_fqns {q.grouped_mm_float8_fqns} names none of the routed "
+                        f"experts' modules ({', '.join(names)}; an entry matches a part of the name, e.g. 'experts')")
     if problems:
         raise ConfigError(problems)
-    converted = []
-    if q.linear_float8_recipe != "none":
+    if linears:
         config = _recipe(q.linear_float8_recipe, q.float8_emulate)
-        for name, module in model.named_modules():
-            if (isinstance(module, Linear) and not any(skip in name for skip in q.linear_float8_filter_fqns)
-                    and module.in_features % 16 == 0 and module.out_features % 16 == 0):
-                module.gemm = Float8Gemm(config, module.in_features, module.out_features)
-                converted.append(name)
-    projections = len(converted)
-    if q.grouped_mm_float8_fqns:
+        for _, module in linears:
+            module.gemm = Float8Gemm(config, module.in_features, module.out_features)
+    if experts:
         config = _recipe("rowwise", q.float8_emulate)
-        for name, module in model.named_modules():
-            if isinstance(module, RoutedExperts) and any(fqn in name for fqn in q.grouped_mm_float8_fqns):
-                module.gemms = Float8ExpertGemms(config, device.type == "cuda")
-                converted.append(name)
+        for _, module in experts:
+            module.gemms = Float8ExpertGemms(config, device.type == "cuda")
     logger.info("FP8 training (torchao %s%s): %d projections' GEMMs in float8 (recipe %s), %d routed experts' "
                 "(rowwise); the rest in %s", importlib.metadata.version("torchao"),
-                ", emulated" if q.float8_emulate else "", projections, q.linear_float8_recipe,
-                len(converted) - projections, "bf16" if device.type == "cuda" else "the parameters' dtype")
-    return converted
+                ", emulated" if q.float8_emulate else "", len(linears), q.linear_float8_recipe, len(experts),
+                "bf16" if device.type == "cuda" else "the parameters' dtype")
+    return [name for name, _ in linears + experts]

@@ -203,7 +203,10 @@ def test_an_fp8_run_it_cannot_make_is_one_error_line(tmp_path, capsys, monkeypat
     """On a CPU without emulation, with LoRA, and without torchao: exit 2, one line naming the way out."""
     flags = [*RUN, "--training.steps", "1", "--quantize.linear_float8_recipe", "rowwise"]
     assert main([*flags, "--job.dump_folder", str(tmp_path / "cpu")]) == BAD_INPUT
-    assert "quantize.linear_float8_recipe need a GPU with FP8 tensor cores" in _error(capsys)
+    assert "quantize.linear_float8_recipe needs a GPU with FP8 tensor cores" in _error(capsys)
+    both = [*flags, "--quantize.grouped_mm_float8_fqns", "experts", "--job.dump_folder", str(tmp_path / "both")]
+    assert main(both) == BAD_INPUT
+    assert "quantize.linear_float8_recipe and quantize.grouped_mm_float8_fqns need a GPU" in _error(capsys)
     assert main([*flags, "--lora.enable", "true", "--job.dump_folder", str(tmp_path / "lora")]) == BAD_INPUT
     assert "set quantize.linear_float8_recipe none and quantize.grouped_mm_float8_fqns [] for LoRA" in _error(capsys)
     import importlib.util
@@ -212,4 +215,19 @@ def test_an_fp8_run_it_cannot_make_is_one_error_line(tmp_path, capsys, monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
     assert main([*flags, "--quantize.float8_emulate", "true", "--job.dump_folder", str(tmp_path / "none")]) \
         == BAD_INPUT
-    assert "need torchao, which is not installed: pip install -e '.[fp8]'" in _error(capsys)
+    assert "needs torchao, which is not installed: pip install -e '.[fp8]'" in _error(capsys)
+
+
+def test_fp8_settings_that_convert_nothing_are_one_error_line_naming_both(tmp_path, capsys):
+    """A filter that keeps every projection in bf16 and expert names that match no routed experts' module (a slip
+    such as 'mlp.expert.' for 'mlp.experts'): exit 2 before anything trains, both named in one line, with the
+    experts' module names to choose from."""
+    flags = [*RUN, "--training.steps", "1", "--quantize.linear_float8_recipe", "rowwise", "--quantize.float8_emulate",
+             "true", "--quantize.linear_float8_filter_fqns", "layers.,lm_head", "--quantize.grouped_mm_float8_fqns",
+             "mlp.expert.", "--job.dump_folder", str(tmp_path / "run")]
+    assert main(flags) == BAD_INPUT
+    error = _error(capsys)
+    assert "quantize.linear_float8_recipe 'rowwise' converts no projection" in error, error
+    assert "quantize.grouped_mm_float8_fqns ['mlp.expert.'] names none of the routed experts' modules " \
+           "(layers.N.mlp.experts; " in error, error
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
