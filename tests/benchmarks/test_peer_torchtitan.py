@@ -242,3 +242,18 @@ def test_lora_cpu_check_peft_starts_from_our_adapters_and_agrees_on_the_loss(tmp
     peer = loaded("peer_torchtitan.py")
     assert "DIFFER" in peer.same_initial_adapters(ours["adapters_sha256"], "0" * 64)
     assert "DIFFER" in peer.same_initial_adapters(None, None)
+
+
+def test_float8_cpu_check_trains_ours_in_fp8_and_says_so(tmp_path):
+    """--float8 on CPU as a user runs it (ours only: torchtitan's converters need an SM89 GPU): our trainer gets the
+    FP8 flags, emulated, converts the blocks' projections and every layer's routed experts, and the report says FP8."""
+    out = printed_by("peer_torchtitan.py", "--flavor", "debugmodel", "--layers", "4", "--experts", "8", "--seq",
+                     "256", "--steps", "3", "--warmup", "1", "--float8", "--only", "ours", "--work", str(tmp_path))
+    assert "FP8 training, rowwise dynamic scales (torchao's recipe)" in out
+    assert ("ours: FP8: --quantize.linear_float8_recipe rowwise --quantize.grouped_mm_float8_fqns experts "
+            "--quantize.float8_emulate true") in out
+    log = (tmp_path / "ours.log").read_text()
+    # 4 layers, 2 of each kind: Gated DeltaNet's in_proj_qkv, in_proj_z, out_proj; attention's q, k, v, o; and the
+    # shared experts' gate, up, down in all 4: 2 * 3 + 2 * 4 + 4 * 3
+    assert "26 projections' GEMMs in float8 (recipe rowwise), 4 routed experts'" in log, log[-2000:]
+    assert len(json.loads((tmp_path / "ours.json").read_text())["losses"]) == 3
