@@ -87,7 +87,7 @@ def main() -> int:
             print(line, end="", flush=True)
             lines.append(line)
             now = time.perf_counter() - started
-            if "model flavor" in line or "model 35B" in line or re.search(r"parameters \(", line):
+            if re.search(r"\] model \S+: [\d.]+[KMB]? parameters", line):  # the trainer's line once it is built
                 marks.setdefault("built", now)  # the base loaded into the model
             if re.search(r"step +1/", line):
                 marks.setdefault("first_step", now)
@@ -102,7 +102,7 @@ def main() -> int:
     steps = [r for r in records if "loss" in r and r["step"] > ns.warmup]
     text = "".join(lines)
     saved = re.findall(r"checkpoint step-\d+ saved to .* \(training held up ([\d.]+) s\)", text)
-    exported = re.findall(r"exported Hugging Face checkpoint to (\S+) in ([\d.]+) s", text)
+    exported = re.findall(r"\] exported (\S+)(?: and \S+)? in ([\d.]+) s", text)  # the trainer's line: hf/ (and the adapter)
     rate = sorted(r["tokens_per_sec"] for r in steps)[len(steps) // 2] if steps else float("nan")
     mfu = sorted(r.get("mfu") or 0 for r in steps)[len(steps) // 2] if steps else float("nan")
     peak = max(r["max_memory_gib"] for r in records if "loss" in r)
