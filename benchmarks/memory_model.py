@@ -183,12 +183,11 @@ RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
     ("1 x 141 GB", Setup(gpus=1, lora_rank=16)),  # LoRA, train_configs/qwen35_moe_lora.toml
     ("1 x 141 GB", Setup(gpus=1, lora_rank=16, local_batch=4)),
     ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True, loss_chunk=1024)),  # *_lora_80gb.toml
-    ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=4, accumulate=True, loss_chunk=1024)),
-    ("1 x 80 GB", Setup(gpus=1, lora_rank=16, expert_rank=1, accumulate=True, loss_chunk=1024)),
-    # LoRA from the FP8 release (its quantized weights held in float8): qwen35_moe_lora.toml as is, and with
-    # --lora.expert_rank 4 --training.local_batch_size 2 (a 48 GB card)
+    # LoRA from the FP8 release (its quantized weights held in float8): qwen35_moe_lora.toml as is; the 80gb config
+    # as is, and at 2 rows a step without accumulation (a 48 GB card)
     ("1 x 80 GB", Setup(gpus=1, lora_rank=16, local_batch=4, accumulate=True, fp8_base=True)),
-    ("1 x 48 GB", Setup(gpus=1, lora_rank=16, expert_rank=4, local_batch=2, accumulate=True, fp8_base=True)),
+    ("1 x 48 GB", Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True, loss_chunk=1024, fp8_base=True)),
+    ("1 x 48 GB", Setup(gpus=1, lora_rank=16, expert_rank=8, local_batch=2, loss_chunk=1024, fp8_base=True)),
 ]
 
 
