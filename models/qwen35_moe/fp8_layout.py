@@ -21,7 +21,7 @@ import re
 import torch
 
 from .fp8_blocks import BLOCK, FP8, scale_shape
-from .fp8_config import SCALE_SUFFIX
+from .fp8_config import SCALE_SUFFIX, kept_unquantized
 
 # The FP8 release stores its block scales in BF16; DeepSeek-V3's checkpoints and transformers' fine-grained FP8
 # quantizer write them in float32: a reader must accept both (fp8_release.py does).
@@ -86,8 +86,7 @@ def fp8_tensor_specs(specs: Specs) -> tuple[Specs, dict[str, Piece]]:
         for part, (piece, part_shape) in parts.items():
             pieces[part] = piece
             module = part.removesuffix(".weight")
-            if module != part and len(part_shape) == 2 and not any(module == m or module.startswith(m + ".")
-                                                                    for m in kept):
+            if module != part and len(part_shape) == 2 and not kept_unquantized(part, kept):
                 out[part] = (FP8, part_shape)
                 out[part + SCALE_SUFFIX] = (SCALE_DTYPE, scale_shape(part_shape, BLOCK))
             else:
