@@ -11,7 +11,7 @@ export's time and size (the merged model, and the PEFT adapter).
 
 `--memory-cap-gib 46` caps the trainer's GPU memory with torch.cuda.set_per_process_memory_fraction (a 48 GB card's
 stand-in). A base in the FP8 release's layout (`make_release_checkpoint.py --fp8`) is held in FP8 by the trainer,
-and predicted so. `--long-chats` trains on multi-turn conversations of 1-4k tokens (scripts/make_long_chat.py)
+and predicted so (with `-- --lora.fp8_base dequantized`, in bf16: the same values, a bf16 base's baseline). `--long-chats` trains on multi-turn conversations of 1-4k tokens (scripts/make_long_chat.py)
 instead of the debug corpus's short ones, so attention and Gated DeltaNet see documents as long as users'.
 `--delete-base-after-load` removes the base folder once the first step has run (the base is in GPU memory by then): on a host whose memory file
 system holds the base or the export but not both. Trainer flags go after `--`.
@@ -112,7 +112,8 @@ def main() -> int:
                   local_batch=cfg.training.local_batch_size,
                   accumulate=cfg.training.global_batch_size > cfg.training.local_batch_size,
                   loss_chunk=cfg.training.loss_chunk_tokens,
-                  fp8_base="quantization_config" in json.loads((base / "config.json").read_text()))
+                  fp8_base="quantization_config" in json.loads((base / "config.json").read_text())
+                  and cfg.lora.fp8_base == "held")
     predicted = predict_gib(get_flavor("35B-A3B"), setup)
     built = re.findall(r"GPU memory with the model built: ([\d.]+) GiB", text)
     print(f"bench: base loaded and model built {marks.get('built', float('nan')):.0f} s after start; first step done "

@@ -8,8 +8,9 @@ that fits (benchmarks/memory_model.py predicts the real peak; this is its floor)
 
 - the weights' state, shared out over every process at most (FSDP / EP shard it over no more than the world):
   a trained parameter 16 B (fp32 weight, fp32 gradient, AdamW's two moments); under LoRA an adapter parameter 8 B
-  (fp32 weight and gradient; its moments may live elsewhere) and a frozen one 2 B on a GPU (held in bf16 or less),
-  4 B on the CPU (fp32); a frozen MTP layer not at all (it need not stay on the device);
+  (fp32 weight and gradient; its moments may live elsewhere) and a frozen one 2 B on a GPU (held in bf16), 1 B
+  from an FP8 release base that may be held in float8 (`fp8_base_held`), 4 B on the CPU (fp32); a frozen MTP
+  layer not at all (it need not stay on the device);
 - activations: every block's input for each of the process's tokens (what full activation checkpointing keeps),
   2 B a value on a GPU (bf16), 4 B on the CPU;
 - one chunk of the loss's logits (training.loss_chunk_tokens tokens x the vocabulary).
@@ -21,15 +22,32 @@ against that GPU's memory (or the host's), before the model is built.
 
 from __future__ import annotations
 
+import json
 import os
 
 from models.qwen35_moe.args import Qwen35MoeArgs
+from models.qwen35_moe.fp8_config import quantization_config_of
 from models.qwen35_moe.sizes import adapter_count, parameter_counts
 
 from .lora.settings import lora_args_of
 
 GIB = 1024**3
 FITS_NOWHERE = 4 * 1024 * GIB  # more than any one GPU or host holds: refused before a GPU run starts
+
+
+def fp8_base_held(cfg) -> bool:
+    """Whether a LoRA run's frozen base may be held in float8 (harness/lora/run.py's fp8_held_keys): its starting
+    folder's config.json has a quantization_config and lora.fp8_base is "held". The floor then counts 1 B a frozen
+    weight; the trainer's own conditions (one process, full AC) are not asked, as a floor may only be lower."""
+    folder = cfg.checkpoint.initial_load_hf
+    if not (cfg.lora.enable and cfg.lora.fp8_base == "held" and folder):
+        return False
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # the config check names what is wrong with the folder
+        return False
+    return isinstance(config, dict) and quantization_config_of(config) is not None
 
 
 def memory_floor(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, on_gpu: bool) -> dict[str, int]:
@@ -41,7 +59,7 @@ def memory_floor(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, on_gpu: boo
     if lora is not None:
         adapters = adapter_count(args, lora)
         frozen = counts.total - (0 if lora.mtp else counts.mtp)  # a frozen MTP layer need not be held
-        state = value * frozen + 8 * adapters
+        state = (1 if on_gpu and fp8_base_held(cfg) else value) * frozen + 8 * adapters
     else:
         state = 16 * counts.total
     tokens = cfg.training.local_batch_size * cfg.training.seq_len // max(1, cp)

@@ -244,6 +244,11 @@ class Lora:
     # The MTP layers: "frozen" (carried from the initial weights to the export, not run) or "lora" (adapted like the
     # main layers and trained with weight training.mtp_loss_coef)
     mtp: Literal["frozen", "lora"] = "frozen"
+    # A base in the FP8 release's layout (checkpoint.initial_load_hf): "held" keeps its quantized weights in float8
+    # with their block scales, dequantized where each module computes (one process under full AC; else as
+    # "dequantized"); "dequantized" holds them in the compute dtype from the load on, as a bf16 base's: the same
+    # values, no per-use dequantization, a bf16 base's memory (a card with room for it, or a baseline run).
+    fp8_base: Literal["held", "dequantized"] = "held"
 
 
 @dataclass

@@ -33,8 +33,8 @@ _DEGREE_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.data_
 _BATCH_KEYS = ("training.local_batch_size", "training.global_batch_size")
 # What the memory check reads (harness/memory_check.py)
 _MEMORY_KEYS = ("training.local_batch_size", "training.seq_len", "training.loss_chunk_tokens", "lora.enable",
-                "lora.rank", "lora.expert_rank", "lora.targets", "lora.mtp", "training.mtp_loss_coef", "model.flavor", "model.hf_config",
-                "model.mtp_num_hidden_layers")
+                "lora.rank", "lora.expert_rank", "lora.targets", "lora.mtp", "lora.fp8_base", "training.mtp_loss_coef",
+                "model.flavor", "model.hf_config", "model.mtp_num_hidden_layers", "checkpoint.initial_load_hf")
 
 
 def _at_least(low):

@@ -95,21 +95,26 @@ def test_with_untrained_adapters_the_held_model_gives_the_dequantized_models_log
 
 def test_a_lora_run_on_the_held_fp8_base_is_the_run_on_the_dequantized_base(folders, tmp_path, capsys):
     """Same losses, grad norms and exports (merged model and PEFT adapter) as the run whose base is the dequantized
-    folder: the held weights enter every computation as the same fp32 numbers."""
+    folder, and as the run that dequantizes the FP8 folder at its load (lora.fp8_base dequantized): the held weights
+    enter every computation as the same fp32 numbers."""
     runs = {}
-    for name in ("fp8", "dequantized"):
-        dump = tmp_path / name
-        assert main([*RUN, "--checkpoint.initial_load_hf", str(folders[name]), "--job.dump_folder", str(dump)]) == 0
+    for name in ("fp8", "dequantized", "fp8 dequantized at the load"):
+        dump = tmp_path / name.replace(" ", "-")
+        folder, hold = (folders["fp8"], "dequantized") if name.endswith("load") else (folders[name], "held")
+        assert main([*RUN, "--checkpoint.initial_load_hf", str(folder), "--lora.fp8_base", hold,
+                     "--job.dump_folder", str(dump)]) == 0
         log = capsys.readouterr().err
         assert ("quantized weights held as stored" in log) == (name == "fp8")
+        assert ("held dequantized, in the compute dtype: lora.fp8_base is dequantized" in log) == (hold != "held")
         rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
         runs[name] = [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
         runs[name + "_export"] = {k: v for s in sorted((dump / "hf").glob("*.safetensors")) for k, v in load_file(s).items()}
         runs[name + "_adapter"] = load_file(dump / "hf-adapter" / "adapter_model.safetensors")
-    assert len(runs["fp8"]) == 3 and runs["fp8"] == runs["dequantized"]
-    for part in ("_export", "_adapter"):
-        ours, theirs = runs["fp8" + part], runs["dequantized" + part]
-        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    for other in ("dequantized", "fp8 dequantized at the load"):
+        assert len(runs["fp8"]) == 3 and runs["fp8"] == runs[other]
+        for part in ("_export", "_adapter"):
+            ours, theirs = runs["fp8" + part], runs[other + part]
+            assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_without_full_activation_checkpointing_the_fp8_base_is_held_dequantized(folders, tmp_path, capsys):

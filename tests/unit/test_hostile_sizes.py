@@ -100,3 +100,26 @@ def test_no_peak_measured_on_a_gpu_lies_under_the_floor():
         below = floor(bench_args(layers, experts), setup.gpus, setup.cp, setup.seq, setup.local_batch)
         assert below < measured, (layers, experts, setup, below, measured)
     assert floor(get_flavor("35B-A3B"), 1, 1, 4096, 1, lora_rank=16, chunk=4096) < 84.6
+
+
+@pytest.mark.parametrize("base, fp8_base, fits", [("fp8", "held", True), ("fp8", "dequantized", False),
+                                                  ("bf16", "held", False)])
+def test_a_48_gb_card_takes_lora_from_an_fp8_base_held_in_float8(tmp_path, base, fp8_base, fits):
+    """The 80gb config from the FP8 release on a 48 GB card (an L40S: 44.99 GiB; the memory model predicts 44.3 GiB,
+    docs/performance.md): its frozen weights floored at their float8 byte, a floor of 37.0 GiB, where bf16's 2 B
+    (69.3 GiB) refused the very run the FP8 base is for. From the bf16 release, or with the base dequantized, it
+    cannot fit."""
+    from harness.memory_check import memory_problem
+
+    args = get_flavor("35B-A3B")
+    config = args.to_hf_config()
+    if base == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = load_config(["--config", str(REPO / "train_configs" / "qwen35_moe_lora_80gb.toml"),
+                       "--checkpoint.initial_load_hf", str(tmp_path), "--lora.fp8_base", fp8_base])
+    floor = sum(memory_floor(cfg, args, 1, 1, on_gpu=True).values()) / GIB
+    assert (floor < 40) == fits and 30 < floor < 70, floor
+    problem = memory_problem(cfg, args, 1, 1, True, int(44.99 * GIB), "the 44.99 GiB of this L40S")
+    assert (problem is None) == fits, problem
