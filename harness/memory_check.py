@@ -111,11 +111,18 @@ def launch_memory_problem(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, gp
 
 
 def device_memory_problem(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, device) -> str | None:
-    """The trainer's verdict, once it has its device (a torch.device): against that GPU's memory, or the host's."""
+    """The trainer's verdict, once it has its device (a torch.device): against that GPU's memory (what this process
+    may allocate of it: torch.cuda.set_per_process_memory_fraction caps it, as a smaller card's stand-in), or the
+    host's."""
     if device.type == "cuda":
         import torch
 
         props = torch.cuda.get_device_properties(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        if fraction < 1:
+            return memory_problem(cfg, args, world_size, cp, True, int(props.total_memory * fraction),
+                                  f"the {props.total_memory * fraction / GIB:,.1f} GiB this process may allocate "
+                                  f"of this {props.name} (set_per_process_memory_fraction {fraction:g})")
         return memory_problem(cfg, args, world_size, cp, True, props.total_memory,
                               f"the {props.total_memory / GIB:,.1f} GiB of this {props.name}")
     return launch_memory_problem(cfg, args, world_size, cp, False, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

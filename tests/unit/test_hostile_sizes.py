@@ -123,3 +123,26 @@ def test_a_48_gb_card_takes_lora_from_an_fp8_base_held_in_float8(tmp_path, base,
     assert (floor < 40) == fits and 30 < floor < 70, floor
     problem = memory_problem(cfg, args, 1, 1, True, int(44.99 * GIB), "the 44.99 GiB of this L40S")
     assert (problem is None) == fits, problem
+
+
+def test_a_capped_gpu_is_judged_by_its_cap(tmp_path, monkeypatch):
+    """A GPU process capped with torch.cuda.set_per_process_memory_fraction (a smaller card's stand-in:
+    benchmarks/lora_one_gpu.py --memory-cap-gib) is judged against the cap, as the smaller card would be: the 80gb
+    config from a bf16 base (a floor of 69.3 GiB) is refused on an H200 capped at 46 GiB and taken uncapped."""
+    import types
+
+    import torch
+
+    from harness.memory_check import device_memory_problem
+
+    (tmp_path / "config.json").write_text(json.dumps(get_flavor("35B-A3B").to_hf_config()))
+    cfg = load_config(["--config", str(REPO / "train_configs" / "qwen35_moe_lora_80gb.toml"),
+                       "--checkpoint.initial_load_hf", str(tmp_path)])
+    h200 = types.SimpleNamespace(total_memory=int(139.8 * GIB), name="NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    for fraction, refused in ((46 / 139.8, True), (1.0, False)):
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+        problem = device_memory_problem(cfg, get_flavor("35B-A3B"), 1, 1, torch.device("cuda", 0))
+        assert (problem is not None) == refused, problem
+        if refused:
+            assert "more than the 46.0 GiB this process may allocate of this NVIDIA H200" in problem, problem
