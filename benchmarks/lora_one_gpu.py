@@ -37,6 +37,13 @@ from memory_model import Setup, predict_gib  # noqa: E402
 from harness.config import load_config  # noqa: E402
 from models.qwen35_moe import get_flavor  # noqa: E402
 
+# The trainer's log lines this script reads (tests/benchmarks/test_lora_one_gpu.py holds them to a run's log)
+BUILT = r"\] model (?:flavor )?\S+: [\d.]+M parameters"  # "model flavor NAME: ..." or "model CONFIG_PATH: ..."
+FIRST_STEP = r"step +1/"
+SAVED = r"checkpoint step-\d+ saved to .* \(training held up ([\d.]+) s\)"
+EXPORTED = r"\] exported (\S+)(?: and \S+)? in ([\d.]+) s"  # hf/ (and the adapter)
+GPU_MEMORY_BUILT = r"GPU memory with the model built: ([\d.]+) GiB"  # a GPU run's only
+
 
 def folder_gib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1024**3
@@ -87,9 +94,9 @@ def main() -> int:
             print(line, end="", flush=True)
             lines.append(line)
             now = time.perf_counter() - started
-            if re.search(r"\] model \S+: [\d.]+[KMB]? parameters", line):  # the trainer's line once it is built
+            if re.search(BUILT, line):
                 marks.setdefault("built", now)  # the base loaded into the model
-            if re.search(r"step +1/", line):
+            if re.search(FIRST_STEP, line):
                 marks.setdefault("first_step", now)
                 if ns.delete_base_after_load and any(base.glob("*.safetensors")):
                     for shard in base.glob("*.safetensors"):  # the tokenizer stays: checkpoints and exports copy it
@@ -101,8 +108,8 @@ def main() -> int:
     records = [json.loads(r) for r in (work / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and r["step"] > ns.warmup]
     text = "".join(lines)
-    saved = re.findall(r"checkpoint step-\d+ saved to .* \(training held up ([\d.]+) s\)", text)
-    exported = re.findall(r"\] exported (\S+)(?: and \S+)? in ([\d.]+) s", text)  # the trainer's line: hf/ (and the adapter)
+    saved = re.findall(SAVED, text)
+    exported = re.findall(EXPORTED, text)
     rate = sorted(r["tokens_per_sec"] for r in steps)[len(steps) // 2] if steps else float("nan")
     mfu = sorted(r.get("mfu") or 0 for r in steps)[len(steps) // 2] if steps else float("nan")
     peak = max(r["max_memory_gib"] for r in records if "loss" in r)
@@ -115,7 +122,7 @@ def main() -> int:
                   fp8_base="quantization_config" in json.loads((base / "config.json").read_text())
                   and cfg.lora.fp8_base == "held")
     predicted = predict_gib(get_flavor("35B-A3B"), setup)
-    built = re.findall(r"GPU memory with the model built: ([\d.]+) GiB", text)
+    built = re.findall(GPU_MEMORY_BUILT, text)
     print(f"bench: base loaded and model built {marks.get('built', float('nan')):.0f} s after start; first step done "
           f"at {marks.get('first_step', float('nan')):.0f} s")
     print(f"bench: {rate:,.0f} tokens/s (median of steps {ns.warmup + 1}-{ns.steps}), MFU {mfu:.1%}, peak "

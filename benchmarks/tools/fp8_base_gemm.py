@@ -62,8 +62,8 @@ def fp8_path(x, dy, value, scale):
                     output_dtype=torch.bfloat16)
     dy8, dys = quantize_groups(dy)
     value_t = value.t().contiguous()  # (in, out): W's values in the other major order
-    dx = F.scaled_mm(dy8, value_t.t(), dys, F.ScalingType.BlockWise1x128, scale, F.ScalingType.BlockWise128x128,
-                     output_dtype=torch.bfloat16)
+    dx = F.scaled_mm(dy8, value_t.t(), dys, F.ScalingType.BlockWise1x128, scale.t().contiguous().t(),
+                     F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)  # the block scales column-major
     return y, dx
 
 
