@@ -169,6 +169,12 @@ MEASURED_LORA = [
     (Setup(gpus=1, lora_rank=16, local_batch=4, mtp_on_host=False), 84.6),  # H200, qwen35_moe_lora.toml
     (Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True), 77.0),  # H100, qwen35_moe_lora_80gb.toml, chunk 4096
     (Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True, loss_chunk=1024), 75.5),  # H100, the 80gb config
+    # H100, from the FP8 release's layout, long chats: qwen35_moe_lora.toml at 4 rows a step, its base held in FP8;
+    # the 80gb config at 1 row a step, the base in FP8 and dequantized to bf16; at 2 rows a step under a 46 GiB cap
+    (Setup(gpus=1, lora_rank=16, local_batch=4, fp8_base=True), 53.8),
+    (Setup(gpus=1, lora_rank=16, expert_rank=8, loss_chunk=1024, fp8_base=True), 43.2),
+    (Setup(gpus=1, lora_rank=16, expert_rank=8, loss_chunk=1024), 73.7),
+    (Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True, loss_chunk=1024, fp8_base=True), 44.5),
 ]
 
 RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
