@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from memory_model import Setup, predict_gib  # noqa: E402
 
 from harness.config import load_config  # noqa: E402
+from harness.memory_check import fp8_base_held  # noqa: E402
 from models.qwen35_moe import get_flavor  # noqa: E402
 
 # The trainer's log lines this script reads (tests/benchmarks/test_lora_one_gpu.py holds them to a run's log)
@@ -114,13 +115,12 @@ def main() -> int:
     mfu = sorted(r.get("mfu") or 0 for r in steps)[len(steps) // 2] if steps else float("nan")
     peak = max(r["max_memory_gib"] for r in records if "loss" in r)
     reserved = max(r.get("max_reserved_gib", float("nan")) for r in records if "loss" in r)
-    cfg = load_config(["--config", ns.config, *ns.trainer_flags])
+    cfg = load_config(["--config", ns.config, "--checkpoint.initial_load_hf", str(base), *ns.trainer_flags])
     setup = Setup(gpus=1, lora_rank=cfg.lora.rank, expert_rank=cfg.lora.expert_rank,
                   local_batch=cfg.training.local_batch_size,
                   accumulate=cfg.training.global_batch_size > cfg.training.local_batch_size,
                   loss_chunk=cfg.training.loss_chunk_tokens,
-                  fp8_base="quantization_config" in json.loads((base / "config.json").read_text())
-                  and cfg.lora.fp8_base == "held")
+                  fp8_base=fp8_base_held(cfg))
     predicted = predict_gib(get_flavor("35B-A3B"), setup)
     built = re.findall(GPU_MEMORY_BUILT, text)
     print(f"bench: base loaded and model built {marks.get('built', float('nan')):.0f} s after start; first step done "

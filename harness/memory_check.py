@@ -119,10 +119,8 @@ def device_memory_problem(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, de
 
         props = torch.cuda.get_device_properties(device)
         fraction = torch.cuda.get_per_process_memory_fraction(device)
-        if fraction < 1:
-            return memory_problem(cfg, args, world_size, cp, True, int(props.total_memory * fraction),
-                                  f"the {props.total_memory * fraction / GIB:,.1f} GiB this process may allocate "
-                                  f"of this {props.name} (set_per_process_memory_fraction {fraction:g})")
-        return memory_problem(cfg, args, world_size, cp, True, props.total_memory,
-                              f"the {props.total_memory / GIB:,.1f} GiB of this {props.name}")
+        available = int(props.total_memory * fraction)
+        capped = f" this process may allocate (set_per_process_memory_fraction {fraction:g})" if fraction < 1 else ""
+        return memory_problem(cfg, args, world_size, cp, True, available,
+                              f"the {available / GIB:,.1f} GiB{capped} of this {props.name}")
     return launch_memory_problem(cfg, args, world_size, cp, False, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

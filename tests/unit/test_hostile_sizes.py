@@ -145,4 +145,4 @@ def test_a_capped_gpu_is_judged_by_its_cap(tmp_path, monkeypatch):
         problem = device_memory_problem(cfg, get_flavor("35B-A3B"), 1, 1, torch.device("cuda", 0))
         assert (problem is not None) == refused, problem
         if refused:
-            assert "more than the 46.0 GiB this process may allocate of this NVIDIA H200" in problem, problem
+            assert "more than the 46.0 GiB this process may allocate (set_per_process_memory_fraction 0.329041) of this NVIDIA H200" in problem, problem
