@@ -22,11 +22,10 @@ against that GPU's memory (or the host's), before the model is built.
 
 from __future__ import annotations
 
-import json
 import os
 
 from models.qwen35_moe.args import Qwen35MoeArgs
-from models.qwen35_moe.fp8_config import quantization_config_of
+from models.qwen35_moe.fp8_config import folder_quantization_config
 from models.qwen35_moe.sizes import adapter_count, parameter_counts
 
 from .lora.settings import lora_args_of
@@ -43,11 +42,9 @@ def fp8_base_held(cfg) -> bool:
     if not (cfg.lora.enable and cfg.lora.fp8_base == "held" and folder):
         return False
     try:
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
+        return folder_quantization_config(folder) is not None
     except (OSError, ValueError):  # the config check names what is wrong with the folder
         return False
-    return isinstance(config, dict) and quantization_config_of(config) is not None
 
 
 def memory_floor(cfg, args: Qwen35MoeArgs, world_size: int, cp: int, on_gpu: bool) -> dict[str, int]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any
 
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> its block scales "X.weight_scale_inv"
@@ -26,6 +28,16 @@ def quantization_config_of(config: dict[str, Any]) -> dict[str, Any] | None:
     if found is None and isinstance(config.get("text_config"), dict):
         found = config["text_config"].get("quantization_config")
     return found
+
+
+def folder_quantization_config(folder: str | Path) -> dict[str, Any] | None:
+    """The quantization_config of HF folder `folder`'s config.json; None without one, or without a config.json.
+    OSError / ValueError where the config.json cannot be read."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    return quantization_config_of(config) if isinstance(config, dict) else None
 
 
 def quantization_problems(quant: Any) -> list[str]:

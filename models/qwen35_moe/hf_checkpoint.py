@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from .args import Qwen35MoeArgs
-from .fp8_config import quantization_config_of, quantization_problems
+from .fp8_config import folder_quantization_config, quantization_problems
 from .fp8_release import FP8_DTYPE, Fp8ReleaseTensors
 from .model import Qwen35MoeModel
 from .state_dict_adapter import Qwen35MoeStateDictAdapter, hf_export_dtype
@@ -150,9 +150,7 @@ def open_hf_tensors(folder: str | Path) -> HFCheckpointReader | Fp8ReleaseTensor
     """The tensors of an HF folder: as stored, or, where its config.json has a quantization_config, as an FP8
     release's (checked: ValueError naming every problem). OSError / ValueError for a folder that cannot be read."""
     reader = HFCheckpointReader(folder)
-    config_file = Path(folder) / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    quant = quantization_config_of(config) if isinstance(config, dict) else None
+    quant = folder_quantization_config(folder)
     if quant is None:
         if any(reader.dtype(k) == FP8_DTYPE for k in reader.keys()):
             raise ValueError("it holds float8 tensors but its config.json has no quantization_config: not a layout "
