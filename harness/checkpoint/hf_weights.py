@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -75,8 +76,10 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     """Set the model's weights (sharded or not) from an HF checkpoint folder, one tensor at a time."""
     rank, world = _rank_world()
     problem = None
+    some = next(iter(model.parameters()))
+    device = (some.to_local() if isinstance(some, DTensor) else some).device  # where an FP8 folder dequantizes
     try:  # from the headers alone: every rank reads the same, and all of them stop together
-        _, read = hf_native_tensors(path, args)
+        _, read = hf_native_tensors(path, args, device)
     except (OSError, ValueError) as e:  # a damaged folder, or one of another model
         problem = f"checkpoint.initial_load_hf {path}: {e}"
     problem = agreed(problem)
@@ -113,20 +116,24 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     logger.info("initialised weights from HF checkpoint %s", path)
 
 
-def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs) -> tuple[dict[str, tuple[int, ...]],
-                                                                    Callable[[str], torch.Tensor]]:
+def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs, device: torch.device | None = None
+                      ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]:
     """The native tensors an HF checkpoint folder holds for a model of `args`: {key: shape}, from the file headers and
     checked against the model's (ValueError naming every difference), and the reader of one of them, whole (per-expert
-    tensors fused, the fp32 contract's upcast: the state-dict adapter's `combine`)."""
+    tensors fused, the fp32 contract's upcast: the state-dict adapter's `combine`). An FP8 release's weights are
+    dequantized on `device` (a GPU's takes 35B-A3B's 31k weights in seconds; the host's fp32 pass, over a minute)."""
     adapter = Qwen35MoeStateDictAdapter(args)
     reader = open_hf_tensors(path)  # an FP8 release's weights dequantized on read
     if isinstance(reader, Fp8ReleaseTensors):
         logger.info("%s is an FP8 release: its %d block-wise float8 weights are read dequantized (value x block "
                     "scale, in fp32)", path, len(reader.scales))
+        read_one = functools.partial(reader.read, device=device)
+    else:
+        read_one = reader.read
     plan = adapter.plan_from_hf(reader.keys())
     shapes = {key: _combined_shape(key, [reader.shape(h) for h in sources]) for key, sources in plan.items()}
     adapter.validate_shapes(shapes)
-    return shapes, lambda key: adapter.combine(key, [reader.read(h) for h in plan[key]])
+    return shapes, lambda key: adapter.combine(key, [read_one(h) for h in plan[key]])
 
 
 def hf_fp8_tensors(path: str | Path, args: Qwen35MoeArgs) -> tuple[frozenset[str], Callable[[str], tuple]]:

@@ -60,7 +60,10 @@ class Fp8ReleaseTensors:
         """A quantized weight as stored: (float8_e4m3fn values, their block scales)."""
         return self.reader.read(key), self.reader.read(self.scales[key])
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """`key` whole, a quantized weight dequantized in fp32 on `device` (default: the host). On a GPU only the
+        float8 values cross the bus, and the product is the host's bit for bit (one fp32 multiply, no FMA)."""
         if key not in self.scales:
-            return self.reader.read(key)
-        return dequantize_blocks(*self.read_quantized(key), dtype=torch.float32)
+            return self.reader.read(key).to(device)
+        values, scales = self.read_quantized(key)
+        return dequantize_blocks(values.to(device), scales.to(device), dtype=torch.float32)

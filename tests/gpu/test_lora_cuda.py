@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoint.hf_weights import export_hf, hf_native_tensors
 from harness.train import main
+from models.qwen35_moe import get_flavor
 from models.qwen35_moe.lora import ExpertLowRank
 from models.qwen35_moe.lora_targets import LoraArgs
 from models.qwen35_moe.moe import RoutedExperts
+from tests.builders import fp8_release_folder, initialized_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 REPO = Path(__file__).resolve().parents[2]
@@ -117,3 +120,17 @@ def test_an_fp8_release_base_is_held_in_float8_and_trains_as_its_dequantized_wei
     for ours, theirs in zip(runs["fp8"], runs["dequantized"]):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=2e-3)
     assert runs["fp8"][-1]["loss"] < runs["fp8"][0]["loss"] - 0.05  # the adapters learn
+
+
+def test_an_fp8_release_dequantizes_on_the_gpu_bit_for_bit_as_on_the_host(tmp_path):
+    """A run on the GPU reads an FP8 folder's weights dequantized there (only the float8 values cross the bus): every
+    native tensor, the experts fused, equals the host's fp32 dequantization exactly (one IEEE multiply each)."""
+    flavor = get_flavor("debugmodel")
+    export_hf(initialized_model(flavor, 0), flavor, str(tmp_path / "fp32"), torch.float32)
+    folder = fp8_release_folder(tmp_path / "fp32", tmp_path / "fp8")
+    shapes, on_host = hf_native_tensors(folder, flavor)
+    _, on_gpu = hf_native_tensors(folder, flavor, torch.device("cuda"))
+    for key in shapes:
+        gpu = on_gpu(key)
+        assert gpu.is_cuda, key
+        assert torch.equal(gpu.cpu(), on_host(key)), key
