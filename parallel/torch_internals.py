@@ -4,7 +4,8 @@ release changes the behaviour relied on.
 
 1. Dynamo keeps compiled frames per code object (`function_with_own_frames`): a function given a copy of another's
    code gets compiled frames of its own. The first decoder block uses that under FSDP (compile.py).
-2. Selective activation checkpointing matches every dispatched op of the recompute against the forward's, except
+2. Selective activation checkpointing (from torch 2.13; 2.11 and 2.12 recompute such ops unmatched) matches every
+   dispatched op of the recompute against the forward's, except
    the ops in `torch.utils.checkpoint.SAC_IGNORED_OPS`, a global set that
    `ignore_profiler_ranges_in_selective_checkpointing` adds the profiler's range ops to: FSDP2's hooks open profiler
    ranges a different number of times in the two (activation_checkpointing.py).

@@ -74,8 +74,11 @@ def test_selective_checkpointing_refuses_unmatched_profiler_ranges_unless_ignore
     # torch's own set, without the profiler ops an earlier test of this process may have added
     profiler_ops = {op for op in checkpoint_module.SAC_IGNORED_OPS if "profiler" in str(op)}
     monkeypatch.setattr(checkpoint_module, "SAC_IGNORED_OPS", set(checkpoint_module.SAC_IGNORED_OPS) - profiler_ops)
-    with pytest.raises(RuntimeError, match="not found in storage"):
-        _recompute_opens_a_profiler_range()
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":  # matches the recompute's ops with the forward's
+        with pytest.raises(RuntimeError, match="not found in storage"):
+            _recompute_opens_a_profiler_range()
+    else:  # torch 2.11 and 2.12 (each run): an op the policy recomputes is not matched, so the range passes
+        assert torch.isfinite(_recompute_opens_a_profiler_range()).all()
     ignore_profiler_ranges_in_selective_checkpointing()
     x_grad = _recompute_opens_a_profiler_range()
     assert x_grad is not None and torch.isfinite(x_grad).all()
