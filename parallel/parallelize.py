@@ -148,7 +148,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         model.embed_tokens.set_unshard_in_backward(False)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=False)
     replicated.append(model.norm)
-    fully_shard(model, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=reshard_after_forward,
+    # Tied, the root's one matrix is the lm_head's: kept gathered after the forward as the lm_head unit is (its
+    # backward comes at once). Freed, its backward would wait on a second gather, and torch 2.11's FSDP hooks no
+    # tensor inside the model's output dataclass, so a backward through `logits` would find it freed.
+    tied = model.lm_head.weight is model.embed_tokens.weight and not vocab_params
+    fully_shard(model, mesh=mesh, mp_policy=mp_uncast, reshard_after_forward=reshard_after_forward and not tied,
                 ignored_params={*vocab_params, *model.norm.parameters()})
     ReplicatedParams(model, replicated, mesh)  # lives on in the hooks it registers
     first = [model.embed_tokens] if isinstance(model.embed_tokens, FSDPModule) else []
