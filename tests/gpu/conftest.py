@@ -28,6 +28,16 @@ if (not _DUMP and "FLA_CACHE_MODE" not in os.environ and torch.cuda.is_available
     os.environ["FLA_CONFIG_DIR"] = str(FLA_CONFIGS)
 
 
+def pytest_report_header(config):
+    """Where FLA's configs come from: set outside (a benchmark's FLA_CONFIG_DIR, say), the pinned ones are not read
+    and every kernel these tests' shapes miss there autotunes, which takes minutes."""
+    where = os.environ.get("FLA_CONFIG_DIR")
+    if torch.cuda.is_available() and where is not None and Path(where).resolve() != FLA_CONFIGS.resolve():
+        return (f"FLA configs: FLA_CONFIG_DIR={where} from the environment, not {FLA_CONFIGS}: kernels of these "
+                "tests' shapes autotune (minutes); unset FLA_CACHE_MODE and FLA_CONFIG_DIR for the pinned ones")
+    return None
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _DUMP:
         written = dump_fla_configs(Path(_DUMP))
