@@ -121,7 +121,7 @@ def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs, device: torch.devic
     """The native tensors an HF checkpoint folder holds for a model of `args`: {key: shape}, from the file headers and
     checked against the model's (ValueError naming every difference), and the reader of one of them, whole (per-expert
     tensors fused, the fp32 contract's upcast: the state-dict adapter's `combine`). An FP8 release's weights are
-    dequantized on `device` (a GPU's takes 35B-A3B's 31k weights in seconds; the host's fp32 pass, over a minute)."""
+    dequantized on `device` (an H100 read 35B-A3B's in 18 s, ten times the host's fp32 pass: docs/performance.md)."""
     adapter = Qwen35MoeStateDictAdapter(args)
     reader = open_hf_tensors(path)  # an FP8 release's weights dequantized on read
     if isinstance(reader, Fp8ReleaseTensors):
