@@ -73,7 +73,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
       the last block's backward, with no compute to hide either behind. As units, the head is gathered while the
       blocks compute and its gradient (ready when its forward ends, linear_cross_entropy.py) is reduced while the
       blocks' backward runs.
-    - The lm_head and the last block stay gathered after their forward: their backward follows at once.
+    - The lm_head (tied: the root's one matrix) and the last block stay gathered after their forward: their
+      backward follows at once.
     - The embedding is never gathered for backward: a lookup's backward needs the ids, not the table.
     - The first block's routed experts (most of its weights) are a unit of their own, gathered while its attention
       computes. The first block's gradients are the step's last reduction, which nothing can hide: the optimizer
