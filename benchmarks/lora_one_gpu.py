@@ -11,9 +11,10 @@ export's time and size (the merged model, and the PEFT adapter).
 
 `--memory-cap-gib 46` caps the trainer's GPU memory with torch.cuda.set_per_process_memory_fraction (a 48 GB card's
 stand-in). A base in the FP8 release's layout (`make_release_checkpoint.py --fp8`) is held in FP8 by the trainer,
-and predicted so (with `-- --lora.fp8_base dequantized`, in bf16: the same values, a bf16 base's baseline). `--long-chats` trains on multi-turn conversations of 1-4k tokens (scripts/make_long_chat.py)
-instead of the debug corpus's short ones, so attention and Gated DeltaNet see documents as long as users'.
-`--delete-base-after-load` removes the base folder once the first step has run (the base is in GPU memory by then): on a host whose memory file
+and predicted so (with `-- --lora.fp8_base dequantized`, in bf16: the same values, a bf16 base's baseline).
+`--long-chats` trains on multi-turn conversations of 1-4k tokens (scripts/make_long_chat.py) instead of the debug
+corpus's short ones, so attention and Gated DeltaNet see documents as long as users'. `--delete-base-after-load`
+removes the base folder once the first step has run (the base is in GPU memory by then): on a host whose memory file
 system holds the base or the export but not both. Trainer flags go after `--`.
 """
 
@@ -130,7 +131,8 @@ def main() -> int:
           f"{built[0] if built else '?'} GiB allocated once the model was built")
     checkpoint = work / "checkpoint" / f"step-{ns.steps}"
     if checkpoint.is_dir():
-        print(f"bench: checkpoint {folder_gib(checkpoint):.2f} GiB, save held training up {saved[-1] if saved else '?'} s")
+        held_up = saved[-1] if saved else "?"
+        print(f"bench: checkpoint {folder_gib(checkpoint):.2f} GiB, save held training up {held_up} s")
     for folder, seconds in exported:
         print(f"bench: export {folder}: {folder_gib(Path(folder)):.1f} GiB in {seconds} s")
     adapter = work / "hf-adapter"

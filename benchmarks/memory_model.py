@@ -11,8 +11,9 @@ The terms (bytes per GPU; S = dp_shard * cp ranks share the parameters, bf16 com
   the prefetched one, and in backward their gradients on their way to the reduce-scatter; under EP a block
   gathers only its E / ep local experts;
 - activations: per token on this GPU, WORKING_BYTES for the block being recomputed (full AC; under LoRA,
-  LORA_WORKING_BYTES) and the saved inputs, 2 B x hidden each: compiled, full AC checkpoints each block in two halves (two inputs a block,
-  parallel/activation_checkpointing.py; eager, one: the model then over-predicts by 2 B x hidden a block);
+  LORA_WORKING_BYTES) and the saved inputs, 2 B x hidden each: compiled, full AC checkpoints each block in two
+  halves (two inputs a block, parallel/activation_checkpointing.py; eager, one: the model then over-predicts by
+  2 B x hidden a block);
   without AC, LAYER_BYTES for every block, plus, counted not fitted (the fitted peaks were measured before FLA's
   function kept them), the chunk states FLA's function keeps for its backward
   (models/qwen35_moe/kernels/fla_saved_states.py) in every Gated DeltaNet layer. (With full AC only the recomputed block
