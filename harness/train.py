@@ -8,8 +8,9 @@ Under a launcher that sets QWEN35_EXIT_DIR, each rank writes its pid there
 as it starts, so the launcher can pass signals on to it, and a rank that stops for one of these reasons writes its
 code there, so the launcher can exit with it instead of torchrun's generic 1, and its `error:` line, so the
 launcher can show it when that rank's output is not shown (LOG_RANK). A rank whose collective breaks because
-another rank already stopped for such a reason (bad data met by one rank alone, mid-training) adds nothing: that
-rank's line is the run's one error, not this rank's traceback of a closed connection.
+another rank already stopped for such a reason (bad data met by one rank alone, mid-training), or that torchrun
+ends while it is still starting, adds nothing: that rank's line is the run's one error, not this rank's traceback of
+a closed connection nor its own SIGTERM.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, STARTING)
     except Terminated:
-        return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
+        return _terminated_starting()
     argv = with_default_config(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         from .config.help import config_help
@@ -90,7 +91,7 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return _stop(INTERRUPTED, STARTING)
     except Terminated:
-        return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
+        return _terminated_starting()
 
     try:
         trainer = Trainer(cfg)
@@ -101,7 +102,7 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         code = _stop(INTERRUPTED, STARTING)
     except Terminated:
-        code = _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
+        code = _terminated_starting()
     else:
         code = None
     if code is not None:
@@ -156,6 +157,16 @@ def _stop(code: int, message: str) -> int:
         print(message, file=sys.stderr, flush=True)
     _record_exit(code)
     return code
+
+
+def _terminated_starting() -> int:
+    """SIGTERM before the trainer's handler is in place. Where another rank already stopped for a known reason, it is
+    torchrun ending a run that failed (it stops every worker once one exits with an error, and a rank still starting
+    under CPU load meets it here): that rank's code, silently, as a rank whose collective broke with it."""
+    peer = _peer_stopped()
+    if peer is not None:
+        return peer
+    return _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
 
 
 def _fail(code: int, err: Exception, shared: bool = False) -> int:
@@ -223,7 +234,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # before the handlers above are in place (reading the config)
         code = _stop(INTERRUPTED, STARTING)
     except Terminated:
-        code = _stop(TERMINATED_STARTING, TERMINATED_WHILE_STARTING)
+        code = _terminated_starting()
     # Collect the finished trainer, and with it its process groups, while the interpreter is whole: a gloo worker
     # thread still dropping its last collective once finalization has begun takes the GIL, is killed by Python,
     # and aborts the process ("terminate called without an active exception", exit -6), at random under CPU load.

@@ -80,7 +80,62 @@ def test_bad_input_under_torchrun_itself_is_one_error_line_not_one_per_rank(bad,
     assert codes["rank0"] == "2" and set(codes.values()) == {"2"}
 
 
-# Fault injection: Python imports sitecustomize from PYTHONPATH at start-up, in each worker.
+# Fault injection: Python imports sitecustomize from PYTHONPATH at start-up, in each worker. Rank 1 still reading its
+# config (held there, as a loaded machine may hold it) when rank 0 has already exited with its error.
+SLOW_RANK_1 = """
+import os, time
+if os.environ.get("RANK") == "1":
+    import harness.config as config
+    check = config.check_launch
+    def slow(*args):
+        time.sleep(60)
+        return check(*args)
+    config.check_launch = slow
+"""
+RANK_0_FAILS = """
+if os.environ.get("RANK") == "0":
+    import harness.trainer as trainer
+    from harness.data.errors import DataError
+    def failing(self, cfg):
+        raise DataError("row 3 of shard 0 is damaged")
+    trainer.Trainer.__init__ = failing
+"""
+
+
+def test_a_rank_torchrun_ends_while_it_starts_records_nothing_of_its_own(tmp_path):
+    """torchrun ends rank 1 (SIGTERM) while it still reads the config rank 0 already refused: rank 1 adds no code of
+    its own (143) beside rank 0's 2, and prints nothing."""
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(SLOW_RANK_1)
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'fault'}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+           "QWEN35_EXIT_DIR": str(exits)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "harness.train",
+                             "--training.stesp", "5", "--job.dump_folder", str(tmp_path / "o")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert errors == ["error: command line: unknown option --training.stesp (did you mean --training.steps?)"]
+    assert "while starting" not in result.stderr
+    assert {p.name: p.read_text() for p in exits.glob("rank*")} == {"rank0": "2"}
+
+
+def test_the_launcher_exits_with_the_failed_ranks_code_not_the_sigterm_torchrun_gave_a_starting_peer(tmp_path):
+    """Under run_train.sh: rank 0 meets bad data building the trainer (its own error, not every rank's) while rank 1
+    is still starting; torchrun ends rank 1, and the run exits 2 with rank 0's one line, not 143."""
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(SLOW_RANK_1 + RANK_0_FAILS)
+    env = {**os.environ, "NGPU": "2", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(tmp_path / "fault")}
+    result = subprocess.run([RUN_TRAIN, *FAST, "--job.dump_folder", str(tmp_path / "o")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == ["error: row 3 of shard 0 is damaged (rank 0)"], result.stderr[-3000:]
+    assert "while starting" not in result.stderr
+
+
 DATA_FAULT = """
 import os
 if os.environ.get("RANK") == "1":
