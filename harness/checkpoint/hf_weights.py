@@ -62,6 +62,7 @@ from models.qwen35_moe.lora_targets import is_adapter_key
 from models.qwen35_moe.state_dict_adapter import hf_export_dtype
 
 from .errors import CheckpointError, ExportRefused, agreed
+from .finite_values import all_finite, non_finite
 from .fp8_export import Fp8ExportTensors
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     if held.keys() - stored_fp8:
         raise CheckpointError(f"checkpoint.initial_load_hf {path}: the run holds {len(held)} weights in FP8 but the "
                               f"folder does not store {sorted(held.keys() - stored_fp8)[0]} quantized")
+    checked = []  # (key, whether its values are all finite): rank 0 reads them
     for key, param in params.items():
         local = param.to_local() if isinstance(param, DTensor) else param
         if key in held:  # one process (fp8_hold.py): the float8 values and scales as stored, never dequantized
@@ -99,13 +101,16 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
                 values, scales = quantized(key)
             except (OSError, ValueError) as e:
                 raise CheckpointError(f"checkpoint.initial_load_hf {path}: {e}") from None
-            load_held(*held[key], values.to(local.device), scales.to(local.device))
+            values, scales = values.to(local.device), scales.to(local.device)
+            checked.append((key, all_finite(values) & all_finite(scales)))
+            load_held(*held[key], values, scales)
             continue
         if rank == 0:
             try:
                 full = read(key).to(local.device, param.dtype)
             except (OSError, ValueError) as e:  # the headers read, the data not: rank 0's alone
                 raise CheckpointError(f"checkpoint.initial_load_hf {path}: {e}") from None
+            checked.append((key, all_finite(full)))
         else:
             full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
         if isinstance(param, DTensor):  # rank 0's tensor, scattered: each rank receives its own shard
@@ -113,6 +118,15 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
         elif world > 1:  # whole on every rank (parallel/replicated_params.py)
             dist.broadcast(full, src=0)
         local.copy_(full)
+    damaged, problem = non_finite(checked), None
+    if damaged:
+        problem = (f"checkpoint.initial_load_hf {path}: {len(damaged)} "
+                   f"{'weight holds' if len(damaged) == 1 else 'weights hold'} NaN or infinite values "
+                   f"({', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}): the folder is damaged; "
+                   "download or convert it again")
+    problem = agreed(problem)
+    if problem is not None:
+        raise CheckpointError(problem, every_rank=True)
     logger.info("initialised weights from HF checkpoint %s", path)
 
 

@@ -242,12 +242,25 @@ def _index_without_weight_map(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text('{"metadata": {}}')
 
 
+def _non_finite(folder: Path) -> None:
+    """A NaN in one weight, an infinity in another, both whole (a broken conversion, not a cut-off file)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.down_proj"][3, 1, 2] = float("nan")
+    tensors["model.norm.weight"][5] = float("-inf")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("damage, named", [(_wrong_shape, "wrong shapes: layers.1.self_attn.q_proj.weight"),
                                            (_truncated, "cannot read"),
-                                           (_index_without_weight_map, "is not a safetensors index")])
+                                           (_index_without_weight_map, "is not a safetensors index"),
+                                           (_non_finite, "2 weights hold NaN or infinite values "
+                                                         "(layers.0.mlp.experts.down_proj, norm.weight)")])
 def test_an_hf_folder_to_start_from_that_does_not_fit_is_one_error_line(exported, tmp_path, capsys, damage, named):
-    """checkpoint.initial_load_hf holding another model's tensors, a cut-off file or a broken index: exit 2 with one
-    line naming the key and the folder, not a traceback of the model's build."""
+    """checkpoint.initial_load_hf holding another model's tensors, a cut-off file, a broken index or non-finite
+    weights: exit 2 with one line naming the key and the folder, not a traceback of the model's build nor a NaN loss
+    (exit 3) at step 1."""
     folder = tmp_path / "hf"
     shutil.copytree(exported, folder)
     damage(folder)

@@ -6,11 +6,12 @@ weights: the same model numbers, so on a CPU the same losses, bit for bit, and t
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from harness.checkpoint.hf_weights import export_hf, hf_fp8_tensors, load_hf_weights, model_native_tensors
 from harness.train import main
@@ -122,3 +123,24 @@ def test_without_full_activation_checkpointing_the_fp8_base_is_held_dequantized(
                  "--checkpoint.initial_load_hf", str(folders["fp8"]), "--job.dump_folder", str(tmp_path / "r")]) == 0
     assert "held dequantized, in the compute dtype: FP8 holding needs activation_checkpoint.mode full" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, byte", [("model.layers.0.mlp.experts.2.down_proj.weight", 0x7F),  # e4m3fn's NaNs
+                                       ("model.layers.1.self_attn.o_proj.weight", 0xFF)])
+def test_a_nan_stored_in_a_held_weight_is_a_damaged_folder_not_a_nan_loss(folders, tmp_path, capsys, key, byte):
+    """The held path copies the float8 values as stored: a NaN byte among them is found there (exit 2, the weight
+    named), as the dequantizing path finds it, not at step 1's loss (exit 3)."""
+    folder = tmp_path / "release"
+    shutil.copytree(folders["fp8"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    raw = tensors[key].view(torch.uint8).clone()
+    raw.view(-1)[11] = byte
+    tensors[key] = raw.view(torch.float8_e4m3fn)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert main([*RUN, "--checkpoint.initial_load_hf", str(folder), "--job.dump_folder", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "quantized weights held as stored" in err
+    native = canonical_name(key.removeprefix("model.")).replace(".2.down_proj.weight", ".down_proj")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: checkpoint.initial_load_hf {folder}: 1 weight holds NaN or infinite values ({native}): the folder is "
+        "damaged; download or convert it again"]

@@ -138,6 +138,18 @@ def _drop_quantization_config(tensors, folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _set(tensors, key, index, value):
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[index] = value
+
+
+def _set_byte(tensors, key, index, byte):
+    """A float8 weight with one stored byte replaced."""
+    raw = tensors[key].view(torch.uint8).clone()
+    raw.view(-1)[index] = byte
+    tensors[key] = raw.view(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("damage, named", [
     (lambda t, f: t.pop("model.layers.0.linear_attn.out_proj.weight_scale_inv"),
      "model.layers.0.linear_attn.out_proj.weight is float8 without its"),
@@ -147,6 +159,10 @@ def _drop_quantization_config(tensors, folder):
         torch.float8_e4m3fn), "model.layers.0.mlp.gate.weight_scale_inv": torch.ones(1, 1)}),
      "model.layers.0.mlp.gate.weight is float8 but quantization_config.modules_to_not_convert keeps"),
     (_drop_quantization_config, "holds float8 tensors but its config.json has no quantization_config"),
+    (lambda t, f: _set(t, "model.layers.0.linear_attn.out_proj.weight_scale_inv", 0, float("inf")),
+     "1 weight holds NaN or infinite values (layers.0.linear_attn.out_proj.weight)"),
+    (lambda t, f: _set_byte(t, "model.layers.0.mlp.experts.5.up_proj.weight", 7, 0xFF),  # e4m3fn's -NaN
+     "1 weight holds NaN or infinite values (layers.0.mlp.experts.gate_up_proj)"),
 ])
 def test_a_folder_that_breaks_the_fp8_layout_is_one_error_line(folders, tmp_path, capsys, damage, named):
     folder = _damaged(folders, tmp_path, damage)
