@@ -140,10 +140,11 @@ def _coerce(value: Any, hint, from_cli: bool) -> Any:
             return None
         return _coerce(value, float, from_cli)
     elif get_origin(hint) is list:
-        if from_cli:
-            value = [v for v in value.strip().strip("[]").split(",") if v.strip()]
+        if from_cli:  # q_proj,experts; also as TOML writes it, ["q_proj", "experts"] (no name holds a quote)
+            value = [v.strip().strip("'\"").strip() for v in value.strip().strip("[]").split(",")]
+            value = [v for v in value if v]
         if isinstance(value, list):
-            return [_coerce(v.strip() if from_cli else v, get_args(hint)[0], from_cli) for v in value]
+            return [_coerce(v, get_args(hint)[0], from_cli) for v in value]
     elif hint is bool:
         if isinstance(value, bool):
             return value

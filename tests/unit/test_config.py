@@ -83,6 +83,14 @@ def test_betas_from_toml_and_cli(toml_file):
     assert load_config(["--config", path, "--optimizer.betas", "0.9,0.999"]).optimizer.betas == [0.9, 0.999]
 
 
+@pytest.mark.parametrize("flag", ['experts,lm_head', '["experts", "lm_head"]', "['experts','lm_head']", "[experts, lm_head,]"])
+def test_a_list_of_names_on_the_command_line_may_be_written_as_in_toml(flag):
+    """Quotes are no part of a name: a TOML-style list on the command line gives the same names as a bare one."""
+    cfg = load_config(["--quantize.grouped_mm_float8_fqns", flag, "--quantize.linear_float8_filter_fqns", '[""]'])
+    assert cfg.quantize.grouped_mm_float8_fqns == ["experts", "lm_head"]
+    assert cfg.quantize.linear_float8_filter_fqns == []
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 def test_missing_config_file_names_the_path(tmp_path):
