@@ -10,6 +10,7 @@ Prints the counts and exits 1 naming the first differences, if any.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -63,4 +64,9 @@ def main(folder: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="the FP8 export (an HF folder)")
+    folder = parser.parse_args().folder
+    if not (folder / "config.json").is_file():
+        parser.error(f"{folder} holds no config.json: not an HF folder")
+    sys.exit(main(folder))
