@@ -107,7 +107,7 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
             continue
         if rank == 0:
             try:
-                full = read(key).to(local.device, param.dtype)
+                full = read(key, param.dtype).to(local.device, param.dtype)
             except (OSError, ValueError) as e:  # the headers read, the data not: rank 0's alone
                 raise CheckpointError(f"checkpoint.initial_load_hf {path}: {e}") from None
             checked.append((key, all_finite(full)))
@@ -131,7 +131,7 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
 
 
 def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs, device: torch.device | None = None
-                      ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]:
+                      ) -> tuple[dict[str, tuple[int, ...]], Callable[..., torch.Tensor]]:
     """The native tensors an HF checkpoint folder holds for a model of `args`: {key: shape}, from the file headers and
     checked against the model's (ValueError naming every difference), and the reader of one of them, whole (per-expert
     tensors fused, the fp32 contract's upcast: the state-dict adapter's `combine`). An FP8 release's weights are
@@ -147,7 +147,13 @@ def hf_native_tensors(path: str | Path, args: Qwen35MoeArgs, device: torch.devic
     plan = adapter.plan_from_hf(reader.keys())
     shapes = {key: _combined_shape(key, [reader.shape(h) for h in sources]) for key, sources in plan.items()}
     adapter.validate_shapes(shapes)
-    return shapes, lambda key: adapter.combine(key, [read_one(h) for h in plan[key]])
+
+    def read(key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The native tensor `key`, in `dtype` if given: each HF tensor cast as it is read, before the experts are
+        fused (the same numbers as a cast after; at full size a layer's fused experts in fp32 are 2 GiB)."""
+        return adapter.combine(key, [read_one(h) if dtype is None else read_one(h).to(dtype) for h in plan[key]])
+
+    return shapes, read
 
 
 def hf_fp8_tensors(path: str | Path, args: Qwen35MoeArgs) -> tuple[frozenset[str], Callable[[str], tuple]]:

@@ -52,6 +52,8 @@ def test_each_float8_weight_reads_as_value_times_its_blocks_scale(folders, which
     reference = fp8_reference(stored[f"model.{q_proj}"], stored[f"model.{q_proj}_scale_inv"])
     assert read(q_proj).dtype == torch.float32 and torch.equal(read(q_proj), reference.float())
     gate_up = read("layers.0.mlp.experts.gate_up_proj")  # (E, 2I, D): per expert cat(gate, up)
+    # read in the compute dtype (as a run loads): each part cast before the fusing, the same numbers
+    assert torch.equal(read("layers.0.mlp.experts.gate_up_proj", torch.bfloat16), gate_up.bfloat16())
     for e in range(gate_up.shape[0]):
         for half, name in enumerate(("gate_proj", "up_proj")):
             key = f"model.layers.0.mlp.experts.{e}.{name}.weight"
