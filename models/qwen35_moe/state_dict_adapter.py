@@ -199,12 +199,13 @@ class Qwen35MoeStateDictAdapter:
     def combine(self, key: str, tensors: list[Any]) -> Any:
         """The native tensor `key` from the HF tensors `plan_from_hf` named for it: per-expert weights fused
         ((E, 2I, D) = cat(gate, up) per expert; (E, D, I)), the SSM gate upcast to fp32, otherwise as is."""
-        if len(tensors) > 1 and key.endswith("experts.gate_up_proj"):  # written in place: no per-expert cat beside
-            gate = tensors[0]  # the parts and the result (a full-size layer's parts are 1 GiB in bf16)
-            fused = gate.new_empty((len(tensors) // 2, 2 * gate.shape[0], *gate.shape[1:]))
+        if len(tensors) > 1 and key.endswith("experts.gate_up_proj"):
+            # fused in place: beside the parts only the result (a stack of per-expert cats held a third copy)
+            rows = tensors[0].shape[0]
+            fused = tensors[0].new_empty((len(tensors) // 2, 2 * rows, *tensors[0].shape[1:]))
             for e in range(len(tensors) // 2):
-                fused[e, : gate.shape[0]].copy_(tensors[2 * e])
-                fused[e, gate.shape[0] :].copy_(tensors[2 * e + 1])
+                fused[e, :rows].copy_(tensors[2 * e])
+                fused[e, rows:].copy_(tensors[2 * e + 1])
             return fused
         if len(tensors) > 1:  # experts.down_proj
             return torch.stack(tensors)
