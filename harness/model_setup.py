@@ -94,8 +94,8 @@ def build_model(cfg: JobConfig, args: Qwen35MoeArgs, meshes: Meshes | None, devi
     on_gpu = device.type == "cuda"
     if lora is not None:  # the frozen base held in the compute dtype on a GPU (CPU runs compute in fp32 anyway), an
         # FP8 release's quantized weights as stored
-        one_process = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-        fp8 = lora.fp8_held_keys(args, one_process, cfg.activation_checkpoint.mode == "full",
+        fp8 = lora.fp8_held_keys(args, cfg.parallelism.expert_parallel_degree > 1,
+                                 cfg.activation_checkpoint.mode == "full",
                                  cfg.lora.fp8_base) if load_hf else frozenset()
         lora.convert(model, DTYPES[cfg.training.mixed_precision_param] if on_gpu else None, fp8)
     train_mtp = trains_mtp(cfg, model, lora)

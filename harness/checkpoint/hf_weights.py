@@ -96,7 +96,7 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
     checked = []  # (key, whether its values are all finite): rank 0 reads them
     for key, param in params.items():
         local = param.to_local() if isinstance(param, DTensor) else param
-        if key in held:  # one process (fp8_hold.py): the float8 values and scales as stored, never dequantized
+        if key in held:  # the float8 values and scales as stored, never dequantized; every rank reads them
             try:
                 values, scales = quantized(key)
             except (OSError, ValueError) as e:
@@ -365,7 +365,7 @@ def model_native_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], 
     held = {canonical_name(name): where for name, where in held_fp8_weights(model).items()}
 
     def gathered(key: str) -> torch.Tensor:
-        if key in held:  # a frozen FP8 base weight (one process: fp8_hold.py), as the FP8 release's reader gives it
+        if key in held:  # a frozen FP8 base weight (fp8_hold.py: gathered there), as the FP8 release's reader gives it
             return dequantized(*held[key], torch.float32)
         tensor = state[key]
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -94,21 +94,21 @@ class LoraRun:
                     self.args.alpha, adapted, ", ".join(self.args.targets))
         hold_frozen_in(model, hold_dtype, fp8)
 
-    def fp8_held_keys(self, model_args: Qwen35MoeArgs, one_process: bool, full_ac: bool,
+    def fp8_held_keys(self, model_args: Qwen35MoeArgs, expert_parallel: bool, full_ac: bool,
                       asked: str = "held") -> frozenset[str]:
         """The base's weights to hold in FP8: those an FP8 release base stores quantized, where `asked`
-        (lora.fp8_base) is "held" and the run is one process under full activation checkpointing (else none: they
-        are held dequantized, and the log says why). Sharded, the float8 weights and their scales would have to
-        shard together; without full AC the backward would keep every block's dequantized weights, more than a
-        bf16 base holds."""
+        (lora.fp8_base) is "held" and the run, in one process or under FSDP, has no expert parallelism and runs
+        full activation checkpointing (else none: they are held dequantized, and the log says why). Under expert
+        parallelism a rank's experts would need their own slice of the scales; without full AC the backward would
+        keep every block's dequantized weights, more than a bf16 base holds."""
         try:
             keys = hf_fp8_tensors(self.base, model_args)[0] if self.base else frozenset()
         except (OSError, ValueError):  # the loading names what is wrong with the folder, in one error line
             return frozenset()
-        if keys and not (asked == "held" and one_process and full_ac):
+        if keys and not (asked == "held" and not expert_parallel and full_ac):
             logger.info("LoRA: the FP8 base's %d quantized weights are held dequantized, in the compute dtype: %s",
                         len(keys), "lora.fp8_base is dequantized" if asked != "held"
-                        else "FP8 holding is one process's" if not one_process
+                        else "FP8 holding does not shard the experts by expert parallelism" if expert_parallel
                         else "FP8 holding needs activation_checkpoint.mode full")
             return frozenset()
         if keys:

@@ -12,12 +12,17 @@ only), and the exports read the weight dequantized (`held_fp8_weights`).
 The routed experts' gate/up weight (E, 2I, D) fuses two quantized weights per expert (gate and up, (I, D) each, their
 own blocks): its scales are the two grids stacked the same way, and it is dequantized part by part where I is not a
 multiple of 128 (`dequantize_stacked`).
+
+Under FSDP the held weight is sharded as any parameter (float8 DTensor shards, 1 byte a value), its scales whole on
+every rank (a buffer: 1/16384 of the weight's values, in fp32). FSDP's gather casts it to its policy's param dtype
+(a float8 value is exact in bf16 and fp32), so a module knows a held weight by its scales, not by its dtype.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .fp8_blocks import FP8, dequantize_stacked, scale_shape
 from .fp8_config import SCALE_SUFFIX  # the release's name: the buffer is named as its tensor is
@@ -44,20 +49,36 @@ def hold_fp8(module: nn.Module, name: str) -> None:
 
 
 def is_held_fp8(module: nn.Module, name: str) -> bool:
-    return getattr(module, name).dtype == FP8
+    return hasattr(module, name + SCALE_SUFFIX)
 
 
 @torch.no_grad()
 def load_held(module: nn.Module, name: str, values: torch.Tensor, scales: torch.Tensor) -> None:
-    """Set a held FP8 weight from the release's float8 values and their scales (any dtype: held in fp32)."""
-    getattr(module, name).copy_(values)
+    """Set a held FP8 weight from the release's float8 values, whole (a sharded weight keeps its shard), and their
+    scales (any dtype: held in fp32)."""
+    param = getattr(module, name)
+    if isinstance(param, DTensor):  # every rank holds the values: each cuts its own shard, no collective
+        values = distribute_tensor(values, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(values)
     getattr(module, name + SCALE_SUFFIX).copy_(scales)
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """A held weight whole: FSDP's shards gathered (outside its forward: an export), as bytes, which every backend
+    gathers."""
+    if not isinstance(weight, DTensor):
+        return weight
+    raw = DTensor.from_local(weight.to_local().view(torch.uint8), weight.device_mesh, weight.placements,
+                             shape=weight.shape, stride=weight.stride())
+    return raw.full_tensor().view(weight.dtype)
 
 
 def dequantized(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
     """`module`'s held FP8 weight `name` in `dtype` (each block's values times its scale, in fp32, then rounded
-    once to `dtype`)."""
-    weight, scales, parts = getattr(module, name), getattr(module, name + SCALE_SUFFIX), _STACKED.get(name, 1)
+    once to `dtype`). Under FSDP, inside its forward, the gathered weight (in the policy's dtype: the same values);
+    outside it, gathered here (a collective every rank joins)."""
+    weight, scales, parts = _whole(getattr(module, name)), getattr(module, name + SCALE_SUFFIX), _STACKED.get(name, 1)
     if weight.ndim == 2 or torch.compiler.is_compiling() or weight.numel() <= _SLICE_ELEMENTS:
         return dequantize_stacked(weight, scales, parts, dtype)  # compiled: one fused kernel, no temporaries
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
@@ -72,4 +93,4 @@ def held_fp8_weights(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """{parameter name (as model.named_parameters gives it): (module, attribute)} of every held FP8 weight."""
     return {f"{prefix}.{name}" if prefix else name: (module, name)
             for prefix, module in model.named_modules()
-            for name, param in module.named_parameters(recurse=False) if param.dtype == FP8}
+            for name, _ in module.named_parameters(recurse=False) if is_held_fp8(module, name)}

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.checkpoint.hf_weights import export_hf, hf_fp8_tensors, load_hf_weights, model_native_tensors
+from harness.lora.run import LoraRun
 from harness.train import main
 from models.qwen35_moe import Qwen35MoeModel, get_flavor
 from models.qwen35_moe.fp8_hold import dequantized, held_fp8_weights
@@ -116,6 +117,17 @@ def test_a_lora_run_on_the_held_fp8_base_is_the_run_on_the_dequantized_base(fold
         for part in ("_export", "_adapter"):
             ours, theirs = runs["fp8" + part], runs[other + part]
             assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_under_expert_parallelism_the_fp8_base_is_held_dequantized_and_the_log_says_why(folders, caplog):
+    """Under EP a rank's experts would need their own slice of the scales: not held (FSDP alone holds it:
+    tests/distributed/test_fp8_hold_fsdp.py)."""
+    run = LoraRun(LoraArgs(rank=4, alpha=8.0), str(folders["fp8"]), 0)
+    with caplog.at_level("INFO", logger="harness.lora.run"):
+        assert run.fp8_held_keys(FLAVOR, expert_parallel=True, full_ac=True) == frozenset()
+    assert "held dequantized, in the compute dtype: FP8 holding does not shard the experts by expert parallelism" \
+        in caplog.text
+    assert len(run.fp8_held_keys(FLAVOR, expert_parallel=False, full_ac=True)) > 10
 
 
 def test_without_full_activation_checkpointing_the_fp8_base_is_held_dequantized(folders, tmp_path, capsys):
