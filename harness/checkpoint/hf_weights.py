@@ -103,7 +103,9 @@ def load_hf_weights(model: nn.Module, args: Qwen35MoeArgs, path: str) -> None:
                 raise CheckpointError(f"checkpoint.initial_load_hf {path}: {e}") from None
             values, scales = values.to(local.device), scales.to(local.device)
             checked.append((key, all_finite(values) & all_finite(scales)))
-            load_held(*held[key], values, scales)
+            if isinstance(param, DTensor):  # every rank read the values: each cuts its own shard, no collective
+                values = distribute_tensor(values, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            load_held(*held[key], local, values, scales)
             continue
         if rank == 0:
             try:
@@ -358,6 +360,16 @@ def _signals_held():
             signal.raise_signal(signum)
 
 
+def _whole_float8(weight: torch.Tensor) -> torch.Tensor:
+    """A float8 weight whole: a sharded one's shards gathered as bytes (gloo gathers no float8), a collective every
+    rank joins."""
+    if not isinstance(weight, DTensor):
+        return weight
+    raw = DTensor.from_local(weight.to_local().view(torch.uint8), weight.device_mesh, weight.placements,
+                             shape=weight.shape, stride=weight.stride())
+    return raw.full_tensor().view(weight.dtype)
+
+
 def model_native_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]:
     """The native tensors of a (possibly sharded) model: {key: shape} and the reader of one, whole (under FSDP its
     full_tensor(), a collective every rank joins)."""
@@ -365,8 +377,9 @@ def model_native_tensors(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], 
     held = {canonical_name(name): where for name, where in held_fp8_weights(model).items()}
 
     def gathered(key: str) -> torch.Tensor:
-        if key in held:  # a frozen FP8 base weight (fp8_hold.py: gathered there), as the FP8 release's reader gives it
-            return dequantized(*held[key], torch.float32)
+        if key in held:  # a frozen FP8 base weight (fp8_hold.py), as the FP8 release's reader gives it
+            module, name = held[key]
+            return dequantized(module, name, torch.float32, _whole_float8(getattr(module, name)))
         tensor = state[key]
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .fp8_blocks import FP8, dequantize_stacked, scale_shape
 from .fp8_config import SCALE_SUFFIX  # the release's name: the buffer is named as its tensor is
@@ -53,32 +52,19 @@ def is_held_fp8(module: nn.Module, name: str) -> bool:
 
 
 @torch.no_grad()
-def load_held(module: nn.Module, name: str, values: torch.Tensor, scales: torch.Tensor) -> None:
-    """Set a held FP8 weight from the release's float8 values, whole (a sharded weight keeps its shard), and their
-    scales (any dtype: held in fp32)."""
-    param = getattr(module, name)
-    if isinstance(param, DTensor):  # every rank holds the values: each cuts its own shard, no collective
-        values = distribute_tensor(values, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param = param.to_local()
-    param.copy_(values)
+def load_held(module: nn.Module, name: str, local: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """Set a held FP8 weight: `local`, the tensor this rank holds of it (the parameter, or its FSDP shard), from
+    `values`, the same part of the release's float8 values; and its scales, whole (any dtype: held in fp32)."""
+    local.copy_(values)
     getattr(module, name + SCALE_SUFFIX).copy_(scales)
 
 
-def _whole(weight: torch.Tensor) -> torch.Tensor:
-    """A held weight whole: FSDP's shards gathered (outside its forward: an export), as bytes, which every backend
-    gathers."""
-    if not isinstance(weight, DTensor):
-        return weight
-    raw = DTensor.from_local(weight.to_local().view(torch.uint8), weight.device_mesh, weight.placements,
-                             shape=weight.shape, stride=weight.stride())
-    return raw.full_tensor().view(weight.dtype)
-
-
-def dequantized(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+def dequantized(module: nn.Module, name: str, dtype: torch.dtype, weight: torch.Tensor | None = None) -> torch.Tensor:
     """`module`'s held FP8 weight `name` in `dtype` (each block's values times its scale, in fp32, then rounded
-    once to `dtype`). Under FSDP, inside its forward, the gathered weight (in the policy's dtype: the same values);
-    outside it, gathered here (a collective every rank joins)."""
-    weight, scales, parts = _whole(getattr(module, name)), getattr(module, name + SCALE_SUFFIX), _STACKED.get(name, 1)
+    once to `dtype`): the module's own (under FSDP, inside its forward, gathered in the policy's dtype: the same
+    values), or `weight`, its values whole (an export gathers a sharded one)."""
+    weight = getattr(module, name) if weight is None else weight
+    scales, parts = getattr(module, name + SCALE_SUFFIX), _STACKED.get(name, 1)
     if weight.ndim == 2 or torch.compiler.is_compiling() or weight.numel() <= _SLICE_ELEMENTS:
         return dequantize_stacked(weight, scales, parts, dtype)  # compiled: one fused kernel, no temporaries
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
