@@ -199,6 +199,9 @@ RECIPES = [  # (GPUs x GiB, setup): the 35B-A3B table
     ("1 x 80 GB", Setup(gpus=1, lora_rank=16, local_batch=4, accumulate=True, fp8_base=True)),
     ("1 x 48 GB", Setup(gpus=1, lora_rank=16, expert_rank=8, accumulate=True, loss_chunk=1024, fp8_base=True)),
     ("1 x 48 GB", Setup(gpus=1, lora_rank=16, expert_rank=8, local_batch=2, loss_chunk=1024, fp8_base=True)),
+    # qwen35_moe_lora.toml as is under FSDP over two 48 GB cards: the FP8 base held (sharded float8), or dequantized
+    ("2 x 48 GB", Setup(gpus=2, lora_rank=16, local_batch=4, accumulate=True, fp8_base=True)),
+    ("2 x 48 GB", Setup(gpus=2, lora_rank=16, local_batch=4, accumulate=True)),
 ]
 
 
