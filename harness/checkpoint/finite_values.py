@@ -25,5 +25,5 @@ def non_finite(checked: list[tuple[str, torch.Tensor]]) -> list[str]:
     """The names among `checked` ((name, all_finite's flag)) whose tensors hold a NaN or an infinity."""
     if not checked:
         return []
-    flags = torch.stack([flag.to("cpu") for _, flag in checked]).tolist()
+    flags = torch.stack([flag for _, flag in checked]).tolist()  # one transfer: the flags share the model's device
     return [name for (name, _), ok in zip(checked, flags) if not ok]

@@ -93,6 +93,7 @@ if os.environ.get("RANK") == "1":
     config.check_launch = slow
 """
 RANK_0_FAILS = """
+import os
 if os.environ.get("RANK") == "0":
     import harness.trainer as trainer
     from harness.data.errors import DataError
